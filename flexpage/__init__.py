@@ -1,0 +1,25 @@
+"""flexpage: a global paged KV cache for PyTorch models, served through FlexAttention."""
+
+from . import masks
+from .attention import paged_attention
+from .cache import CacheStats, PagedKVCache
+from .errors import FlexpageError, OutOfPagesError, UnsupportedModelError
+from .masks import build_block_mask, paged_mask_mod, paged_score_mod
+from .pages import PageTable, StepPlan
+
+__all__ = [
+    "CacheStats",
+    "FlexpageError",
+    "OutOfPagesError",
+    "PageTable",
+    "PagedKVCache",
+    "StepPlan",
+    "UnsupportedModelError",
+    "build_block_mask",
+    "masks",
+    "paged_attention",
+    "paged_mask_mod",
+    "paged_score_mod",
+]
+
+__version__ = "0.1.0"

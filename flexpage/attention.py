@@ -1,0 +1,63 @@
+"""One compiled FlexAttention call over a layer's page pools."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from .masks import ScoreMod
+
+# One compile per static shape (batch, heads, q_len, pool): the pool never changes shape, so
+# decode at any context length reuses the same graph. Page tables arrive as tensor data.
+_compiled_flex_attention = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+
+
+def paged_attention(
+    query: Tensor,
+    key_pool: Tensor,
+    value_pool: Tensor,
+    block_mask: BlockMask,
+    score_mod: ScoreMod | None = None,
+    scale: float | None = None,
+) -> Tensor:
+    """Attention of ``query`` ``[B, Hq, Q, D]`` over pools ``[1, Hkv, slots, D]``.
+
+    ``block_mask`` comes from ``masks.build_block_mask`` and ``score_mod`` (if any) from
+    ``masks.paged_score_mod``. GQA/MQA is used when ``Hq`` is a multiple of ``Hkv``.
+    Returns ``[B, Hq, Q, Dv]``.
+    """
+    if query.dim() != 4 or key_pool.dim() != 4 or value_pool.dim() != 4:
+        raise ValueError(
+            f"query and pools must be 4-D, got query {tuple(query.shape)}, key_pool {tuple(key_pool.shape)}, "
+            f"value_pool {tuple(value_pool.shape)}"
+        )
+    num_heads, num_kv_heads = query.shape[1], key_pool.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query heads ({num_heads}) must be a multiple of key_pool heads ({num_kv_heads})")
+    if key_pool.shape[:3] != value_pool.shape[:3] or key_pool.shape[0] != 1:
+        raise ValueError(
+            f"key_pool and value_pool must be [1, kv_heads, slots, dim] pools of one cache layer, "
+            f"got {tuple(key_pool.shape)} and {tuple(value_pool.shape)}"
+        )
+    if query.shape[-1] != key_pool.shape[-1]:
+        raise ValueError(f"query head_dim ({query.shape[-1]}) differs from key_pool's ({key_pool.shape[-1]})")
+    if query.dtype != key_pool.dtype or value_pool.dtype != key_pool.dtype:
+        raise ValueError(
+            f"query dtype {query.dtype} must match the pools' dtype {key_pool.dtype} (value {value_pool.dtype})"
+        )
+    if query.device != key_pool.device or value_pool.device != key_pool.device:
+        raise ValueError(f"query on {query.device} but pools on {key_pool.device}/{value_pool.device}")
+    if block_mask.kv_num_blocks.shape[0] != query.shape[0]:
+        raise ValueError(
+            f"block_mask is for batch {block_mask.kv_num_blocks.shape[0]} but query has batch {query.shape[0]}"
+        )
+    return _compiled_flex_attention(
+        query,
+        key_pool,
+        value_pool,
+        score_mod=score_mod,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )

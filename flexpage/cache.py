@@ -1,0 +1,205 @@
+"""PagedKVCache: per-layer K/V page pools behind one page table, as a transformers Cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .pages import PageTable, StepPlan
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_page_size(page_size: int) -> None:
+    """FlexAttention uses the page as its KV block, so the page must be a legal KV block size.
+
+    Triton kernels (GPU) tile the KV block with power-of-two tiles of at least 16 tokens and
+    require the block to be a multiple of the tile; the CPU template accepts any size. We
+    accept what works on both: a power of two >= 16.
+    """
+    if not isinstance(page_size, int) or isinstance(page_size, bool):
+        raise ValueError(f"page_size must be an int, got {type(page_size).__name__}")
+    if page_size < 16 or page_size & (page_size - 1):
+        raise ValueError(
+            f"page_size must be a power of two >= 16 (it is FlexAttention's KV block size), got {page_size}"
+        )
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    pages_total: int
+    pages_used: int
+    pages_free: int
+    live_tokens: int
+    reserved_slots: int
+    utilisation: float  # live_tokens / reserved_slots (1.0 when nothing is reserved)
+
+
+class PagedLayer(CacheLayerMixin):
+    """One decoder layer's K and V pools, shaped ``[1, kv_heads, (num_pages + 1) * page_size, head_dim]``.
+
+    The extra page at the end is the sink that absorbs padding writes; it is never attended.
+    """
+
+    is_compileable = True
+
+    def __init__(self, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.device = device
+        self.keys = torch.zeros(1, num_kv_heads, num_slots, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Pools are allocated once in ``__init__``; nothing is lazy."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        raise TypeError("PagedLayer is written through PagedKVCache.update")
+
+    def write(self, slots: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Store ``[B, kv_heads, Q, head_dim]`` states at ``slots`` ``[B, Q]``."""
+        flat = slots.reshape(-1).to(self.device)
+        for pool, states in ((self.keys, key_states), (self.values, value_states)):
+            b, h, q, d = states.shape
+            pool[0].index_copy_(1, flat, states.to(pool.dtype).transpose(0, 1).reshape(h, b * q, d))
+
+    def copy_page(self, src: int, dst: int, page_size: int) -> None:
+        for pool in (self.keys, self.values):
+            pool[:, :, dst * page_size : (dst + 1) * page_size] = pool[:, :, src * page_size : (src + 1) * page_size]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.keys.shape[2], 0
+
+    def get_seq_length(self) -> int:
+        raise TypeError("sequence lengths live in PagedKVCache.page_table")
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
+
+class PagedKVCache(Cache):
+    """The global paged KV cache: one page table, one K/V pool pair per layer.
+
+    Every layer's pool has the same fixed shape for the cache's lifetime, so compiled
+    attention over it never recompiles as sequences grow. A step is ``begin_step`` (reserve
+    pages, compute slots) followed by one ``update`` per layer (write K/V, get the pools).
+    """
+
+    def __init__(
+        self,
+        config: Any = None,
+        *,
+        page_size: int = 16,
+        num_pages: int,
+        max_batch_size: int,
+        max_pages_per_seq: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | Sequence[torch.device | str] = "cpu",
+        num_layers: int | None = None,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+    ) -> None:
+        check_page_size(page_size)
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
+        num_layers = num_layers or getattr(config, "num_hidden_layers", None)
+        num_heads = getattr(config, "num_attention_heads", None)
+        num_kv_heads = num_kv_heads or getattr(config, "num_key_value_heads", None) or num_heads
+        head_dim = head_dim or getattr(config, "head_dim", None)
+        if head_dim is None and config is not None:
+            head_dim = config.hidden_size // num_heads
+        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int (from config or given), got {value!r}")
+        devices = [device] * num_layers if isinstance(device, (str, torch.device)) else list(device)
+        if len(devices) != num_layers:
+            raise ValueError(f"device lists {len(devices)} devices for {num_layers} layers")
+        devices = [torch.device(d) for d in devices]
+        self.page_table = PageTable(num_pages, page_size, max_batch_size, max_pages_per_seq, devices[0])
+        num_slots = (num_pages + 1) * page_size  # + the sink page
+        super().__init__(
+            layers=[PagedLayer(num_slots, num_kv_heads, head_dim, dtype, d) for d in devices]
+        )
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.step: StepPlan | None = None
+
+    # ------------------------------------------------------------------ steps
+    def begin_step(self, rows: Sequence[int], new_tokens: Sequence[int], q_len: int | None = None) -> StepPlan:
+        """Reserve room for ``new_tokens[b]`` tokens in each row and plan where they go.
+
+        All or nothing: on ``OutOfPagesError`` no page, length or K/V byte has changed.
+        """
+        for row in rows:
+            self.page_table.pages_of(row)  # raises ValueError for an unused row
+        copies = self.page_table.extend(rows, new_tokens)
+        for src, dst in copies:
+            for layer in self.layers:
+                layer.copy_page(src, dst, self.page_size)
+        self.step = self.page_table.plan(rows, new_tokens, q_len)
+        return self.step
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        cache_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this step's K/V for one layer; return that layer's full pools."""
+        if self.step is None:
+            raise RuntimeError("PagedKVCache.update called before begin_step")
+        layer = self.layers[layer_idx]
+        expected = (len(self.step.rows), self.num_kv_heads, self.step.q_len, self.head_dim)
+        if tuple(key_states.shape) != expected or tuple(value_states.shape) != expected:
+            raise ValueError(
+                f"key/value states must have shape {expected} (batch, kv_heads, q_len, head_dim), "
+                f"got {tuple(key_states.shape)} and {tuple(value_states.shape)}"
+            )
+        layer.write(self.step.slots, key_states, value_states)
+        return layer.keys, layer.values
+
+    # ------------------------------------------------------------------ sequences
+    def add_sequence(self, row: int | None = None) -> int:
+        return self.page_table.add_sequence(row)
+
+    def free_sequence(self, row: int) -> None:
+        self.page_table.free_sequence(row)
+
+    def fork(self, src: int, dst: int | None = None) -> int:
+        return self.page_table.fork(src, dst)
+
+    def seq_length(self, row: int) -> int:
+        self.page_table.pages_of(row)
+        return self.page_table.seq_lens[row]
+
+    def gather(self, layer_idx: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A row's K/V as contiguous ``[kv_heads, length, head_dim]`` tensors (for tests and export)."""
+        pages = torch.tensor(self.page_table.pages_of(row), dtype=torch.int64)
+        slots = (pages[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
+        slots = slots[: self.seq_length(row)].to(self.layers[layer_idx].device)
+        layer = self.layers[layer_idx]
+        return layer.keys[0, :, slots], layer.values[0, :, slots]
+
+    def stats(self) -> CacheStats:
+        pt = self.page_table
+        used = pt.num_pages - pt.num_free_pages
+        filled: dict[int, int] = {}  # page -> slots holding live tokens (shared pages counted once)
+        for row in pt.active_rows:
+            for i, page in enumerate(pt.seq_pages[row]):
+                filled[page] = max(filled.get(page, 0), min(self.page_size, pt.seq_lens[row] - i * self.page_size))
+        live = sum(filled.values())
+        reserved = used * self.page_size
+        return CacheStats(
+            pages_total=pt.num_pages,
+            pages_used=used,
+            pages_free=pt.num_free_pages,
+            live_tokens=live,
+            reserved_slots=reserved,
+            utilisation=live / reserved if reserved else 1.0,
+        )

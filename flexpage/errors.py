@@ -1,0 +1,17 @@
+"""Exception types that flexpage users catch."""
+
+
+class FlexpageError(Exception):
+    """Base class of every error raised by flexpage itself."""
+
+
+class OutOfPagesError(FlexpageError, RuntimeError):
+    """The page pool cannot hold the requested tokens.
+
+    Raised before anything is written: the cache and its page table are exactly as they
+    were before the call.
+    """
+
+
+class UnsupportedModelError(FlexpageError, NotImplementedError):
+    """A model or attention variant that flexpage cannot serve exactly."""

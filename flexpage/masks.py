@@ -1,0 +1,181 @@
+"""BlockMasks and mods for paged attention, built straight from the page table.
+
+FlexAttention sees one pool of ``(num_pages + 1) * page_size`` physical KV slots. The
+BlockMask of a step lists, for every batch row and query block, only that row's own pages
+(KV block size = page size, so a block never spans two pages and results never depend on
+where pages land). Logical mask/score mods are remapped to physical slots through the
+table's per-page logical index and always bounded by the row's length, so unwritten slots
+of a last, partly-filled page are never read.
+
+The mod library below works in logical coordinates (``q_idx`` / ``kv_idx`` are token
+positions in the sequence) and is usable with plain FlexAttention too.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+from .pages import PageTable, StepPlan, cdiv
+
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+
+Q_BLOCK_SIZE = 128
+
+
+# ---------------------------------------------------------------------------- mod library
+def causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    """Each token sees itself and the tokens before it."""
+    return q_idx >= kv_idx
+
+
+causal.within_causal = True  # type: ignore[attr-defined]
+
+
+def sliding_window(window: int) -> MaskMod:
+    """Causal attention to the last ``window`` tokens (the query included)."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+
+    def sliding_window_mask(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+    sliding_window_mask.within_causal = True  # type: ignore[attr-defined]
+    return sliding_window_mask
+
+
+def prefix_lm(prefix_lens: Tensor) -> MaskMod:
+    """Bidirectional over each row's first ``prefix_lens[b]`` tokens, causal after them."""
+
+    def prefix_lm_mask(b, h, q_idx, kv_idx):
+        return (kv_idx < prefix_lens[b]) | (q_idx >= kv_idx)
+
+    return prefix_lm_mask
+
+
+def softcap(cap: float) -> ScoreMod:
+    """Logit soft-capping (Gemma 2): ``cap * tanh(score / cap)``."""
+    if cap <= 0:
+        raise ValueError(f"cap must be > 0, got {cap}")
+
+    def softcap_score(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    return softcap_score
+
+
+def alibi(slopes: Tensor) -> ScoreMod:
+    """ALiBi: add ``slopes[h] * (kv_idx - q_idx)`` to each score."""
+
+    def alibi_score(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    return alibi_score
+
+
+def alibi_slopes(num_heads: int) -> Tensor:
+    """The geometric slopes of the ALiBi paper (num_heads a power of two)."""
+    return torch.tensor([2.0 ** (-8.0 * (i + 1) / num_heads) for i in range(num_heads)])
+
+
+# ---------------------------------------------------------------------------- remapping
+def metadata_width(page_table: PageTable) -> int:
+    """Columns of ``kv_indices``: a row's page budget, except where a backend needs more.
+
+    Inductor's CPU FlexAttention template asserts ``KV_LEN <= kv_indices.size(-1) * KV_BLOCK``,
+    so on CPU the columns must cover the whole pool (sink page included). Elsewhere the
+    metadata stays sized by batch x pages-per-sequence, independent of the pool.
+    """
+    if page_table.device.type == "cpu":
+        return page_table.num_pages + 1
+    return page_table.max_pages_per_seq
+
+
+def _logical_kv(page_table: PageTable, kv_idx: Tensor) -> tuple[Tensor, Tensor]:
+    page_size = page_table.page_size
+    logical_page = page_table.page_logical[kv_idx // page_size]
+    return logical_page, logical_page * page_size + kv_idx % page_size
+
+
+def paged_mask_mod(page_table: PageTable, plan: StepPlan, mask_mod: MaskMod | None = None) -> MaskMod:
+    """Physical-slot mask for a step: the row's own, written tokens, then ``mask_mod``
+    (default ``causal``) in logical positions. ``b`` is the step's batch index."""
+    mask_mod = causal if mask_mod is None else mask_mod
+    q_start, kv_lens = plan.q_start, plan.kv_lens
+
+    def paged_mask(b, h, q_idx, kv_idx):
+        logical_page, logical_kv = _logical_kv(page_table, kv_idx)
+        written = (logical_page >= 0) & (logical_kv < kv_lens[b])
+        return written & mask_mod(b, h, q_start[b] + q_idx, logical_kv)
+
+    return paged_mask
+
+
+def paged_score_mod(page_table: PageTable, plan: StepPlan, score_mod: ScoreMod) -> ScoreMod:
+    """Physical-slot version of a logical ``score_mod`` for a step."""
+    q_start = plan.q_start
+
+    def paged_score(score, b, h, q_idx, kv_idx):
+        _, logical_kv = _logical_kv(page_table, kv_idx)
+        return score_mod(score, b, h, q_start[b] + q_idx, logical_kv)
+
+    return paged_score
+
+
+def build_block_mask(
+    page_table: PageTable,
+    plan: StepPlan,
+    mask_mod: MaskMod | None = None,
+    q_block_size: int = Q_BLOCK_SIZE,
+) -> BlockMask:
+    """The step's BlockMask, from the page table in O(batch x query blocks x pages-per-seq).
+
+    Each query block lists its row's pages up to the last one it may see (when the mask
+    declares ``within_causal``, pages past the block's last query are skipped). With the
+    default causal mask, pages entirely visible to every query of the block are "full"
+    blocks, for which the kernel skips mask evaluation.
+    """
+    page_size = page_table.page_size
+    device = page_table.device
+    batch, q_len = len(plan.rows), plan.q_len
+    num_q_blocks = cdiv(q_len, q_block_size)
+    width = metadata_width(page_table)
+    seq_width = page_table.max_pages_per_seq
+
+    table = page_table.table[plan.rows].clamp_min(0)  # [B, seq_width]
+    kv_lens = plan.kv_lens.long()[:, None]  # [B, 1]
+    q_block_start = torch.arange(num_q_blocks, device=device) * q_block_size  # [R]
+    first_q = plan.q_start.long()[:, None] + q_block_start  # [B, R]
+    last_q = plan.q_start.long()[:, None] + (q_block_start + q_block_size).clamp_max(q_len) - 1
+    num_pages = (kv_lens + page_size - 1) // page_size
+    if getattr(causal if mask_mod is None else mask_mod, "within_causal", False):
+        visible = torch.minimum(((last_q + 1).clamp_min(0) + page_size - 1) // page_size, num_pages)
+    else:
+        visible = num_pages.expand(batch, num_q_blocks)
+    if mask_mod is None:  # plain causal: pages before the block's first query are full
+        full = torch.minimum(kv_lens // page_size, (first_q + 1).clamp_min(0) // page_size)
+        full = torch.minimum(full, visible)
+    else:
+        full = torch.zeros_like(visible)
+
+    cols = torch.arange(seq_width, device=device)
+    partial_cols = (cols + full[..., None]).clamp_max(seq_width - 1)  # [B, R, seq_width]
+    partial = table[:, None, :].expand(batch, num_q_blocks, seq_width).gather(2, partial_cols)
+    kv_indices = torch.zeros(batch, 1, num_q_blocks, width, dtype=torch.int32, device=device)
+    full_kv_indices = torch.zeros_like(kv_indices)
+    kv_indices[:, 0, :, :seq_width] = partial
+    full_kv_indices[:, 0, :, :seq_width] = table[:, None, :]
+    return BlockMask.from_kv_blocks(
+        (visible - full).to(torch.int32)[:, None],
+        kv_indices,
+        full.to(torch.int32)[:, None],
+        full_kv_indices,
+        BLOCK_SIZE=(q_block_size, page_size),
+        mask_mod=paged_mask_mod(page_table, plan, mask_mod),
+        seq_lengths=(q_len, (page_table.num_pages + 1) * page_size),
+        compute_q_blocks=False,
+    )

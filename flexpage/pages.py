@@ -1,0 +1,235 @@
+"""Page allocator and page table: which physical pages hold which sequence's tokens.
+
+Knows nothing about K/V tensors. Host-side bookkeeping (free list, reference counts,
+per-sequence page lists and lengths) is plain Python so it never syncs with the device;
+the page table, the per-page logical block index and the lengths are mirrored in device
+tensors that are updated in place, so compiled code that reads them never changes shape.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .errors import OutOfPagesError
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Where one forward step's query tokens live, for a batch of page-table rows.
+
+    Query tokens are left-padded to a common length ``q_len``: row ``b``'s real tokens are
+    the last ``new_tokens[b]`` of its ``q_len`` positions. Padding is never stored in pages:
+    its slots point at the cache's sink page.
+    """
+
+    rows: torch.Tensor  # [B] int64, page-table rows of the batch, in batch order
+    q_start: torch.Tensor  # [B] int32, logical position of query index 0 (negative if padded)
+    kv_lens: torch.Tensor  # [B] int32, tokens in the cache once this step is written
+    slots: torch.Tensor  # [B, q_len] int64, pool slot of each query token
+    q_len: int
+
+
+class PageTable:
+    """Fixed pool of ``num_pages`` pages of ``page_size`` token slots, shared by up to
+    ``max_batch_size`` sequences (rows) of at most ``max_pages_per_seq`` pages each.
+
+    Pages are reference counted so rows can share them (forks, prefixes); a shared page
+    that is only partly filled is copied before a row writes into it (copy-on-write).
+    Every mutating method either completes or raises leaving all state unchanged.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        max_batch_size: int,
+        max_pages_per_seq: int | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        for name, value in (("num_pages", num_pages), ("page_size", page_size), ("max_batch_size", max_batch_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        max_pages_per_seq = num_pages if max_pages_per_seq is None else max_pages_per_seq
+        if not 1 <= max_pages_per_seq <= num_pages:
+            raise ValueError(f"max_pages_per_seq must be in [1, num_pages={num_pages}], got {max_pages_per_seq}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.max_batch_size = max_batch_size
+        self.max_pages_per_seq = max_pages_per_seq
+        self.device = torch.device(device)
+        # Host-side truth.
+        self.free_pages: deque[int] = deque(range(num_pages))
+        self.ref_counts = [0] * num_pages
+        self.seq_pages: list[list[int] | None] = [None] * max_batch_size  # None: row unused
+        self.seq_lens = [0] * max_batch_size
+        # Device mirrors read by masks and slot computation.
+        self.table = torch.full((max_batch_size, max_pages_per_seq), -1, dtype=torch.int32, device=self.device)
+        # Logical block index of each physical page (-1: free, and for the sink page at the
+        # end). A page sits at the same logical index in every row that shares it.
+        self.page_logical = torch.full((num_pages + 1,), -1, dtype=torch.int32, device=self.device)
+        self.lens = torch.zeros(max_batch_size, dtype=torch.int32, device=self.device)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def sink_slot(self) -> int:
+        """First slot of the sink page (one page past the pool) where padding is written."""
+        return self.num_pages * self.page_size
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self.free_pages)
+
+    @property
+    def active_rows(self) -> list[int]:
+        return [r for r, pages in enumerate(self.seq_pages) if pages is not None]
+
+    def pages_of(self, row: int) -> list[int]:
+        return list(self._pages(row))
+
+    def pages_needed(self, row: int, num_tokens: int) -> int:
+        """New pages (fresh + copy-on-write) that ``extend(row, num_tokens)`` would take."""
+        pages, length = self._pages(row), self.seq_lens[row]
+        fresh = max(0, cdiv(length + num_tokens, self.page_size) - len(pages))
+        return fresh + int(self._needs_copy(row, num_tokens))
+
+    # ------------------------------------------------------------------ row lifecycle
+    def add_sequence(self, row: int | None = None) -> int:
+        """Claim an empty row (the lowest free one unless ``row`` is given) and return it."""
+        if row is None:
+            free = [r for r, pages in enumerate(self.seq_pages) if pages is None]
+            if not free:
+                raise OutOfPagesError(f"all {self.max_batch_size} sequence rows are in use")
+            row = free[0]
+        elif not 0 <= row < self.max_batch_size:
+            raise ValueError(f"row must be in [0, {self.max_batch_size}), got {row}")
+        elif self.seq_pages[row] is not None:
+            raise ValueError(f"row {row} is already in use")
+        self.seq_pages[row] = []
+        self.seq_lens[row] = 0
+        return row
+
+    def free_sequence(self, row: int) -> None:
+        """Release a row and drop its references; pages nobody owns return to the free list."""
+        for page in self._pages(row):
+            self._unref(page)
+        self.seq_pages[row] = None
+        self.seq_lens[row] = 0
+        self.table[row] = -1
+        self.lens[row] = 0
+
+    def fork(self, src: int, dst: int | None = None) -> int:
+        """New row sharing every page of ``src`` (each gains a reference)."""
+        pages = self._pages(src)
+        dst = self.add_sequence(dst)
+        for page in pages:
+            self.ref_counts[page] += 1
+        self.seq_pages[dst] = list(pages)
+        self.seq_lens[dst] = self.seq_lens[src]
+        self.table[dst] = self.table[src]
+        self.lens[dst] = self.seq_lens[src]
+        return dst
+
+    # ------------------------------------------------------------------ growth
+    def extend(self, rows: Sequence[int], num_tokens: Sequence[int]) -> list[tuple[int, int]]:
+        """Grow each row by its number of tokens, all or nothing.
+
+        Returns the copy-on-write page copies ``(src_page, dst_page)`` the cache must perform
+        before writing: a row whose partly-filled last page is shared gets a private copy.
+        Raises ``OutOfPagesError`` (nothing changed) when the pool or a row's page budget
+        cannot hold the tokens.
+        """
+        if len(rows) != len(num_tokens):
+            raise ValueError(f"rows ({len(rows)}) and num_tokens ({len(num_tokens)}) differ in length")
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"rows must be distinct, got {list(rows)}")
+        needed = 0
+        for row, n in zip(rows, num_tokens):
+            if n < 0:
+                raise ValueError(f"num_tokens must be >= 0, got {n} for row {row}")
+            total_pages = cdiv(self.seq_lens[row] + n, self.page_size)
+            if total_pages > self.max_pages_per_seq:
+                raise OutOfPagesError(
+                    f"row {row} would need {total_pages} pages for {self.seq_lens[row] + n} tokens; "
+                    f"a sequence may hold at most {self.max_pages_per_seq} pages "
+                    f"({self.max_pages_per_seq * self.page_size} tokens)"
+                )
+            needed += self.pages_needed(row, n)
+        if needed > len(self.free_pages):
+            raise OutOfPagesError(
+                f"need {needed} free pages for {sum(num_tokens)} new tokens, "
+                f"only {len(self.free_pages)} of {self.num_pages} are free"
+            )
+        copies = []
+        for row, n in zip(rows, num_tokens):
+            if self._needs_copy(row, n):
+                copies.append(self._copy_last_page(row))
+            pages, length = self.seq_pages[row], self.seq_lens[row]
+            first_new = len(pages)
+            for _ in range(cdiv(length + n, self.page_size) - len(pages)):
+                page = self.free_pages.popleft()
+                self.ref_counts[page] = 1
+                pages.append(page)
+            if len(pages) > first_new:
+                new = torch.tensor(pages[first_new:], dtype=torch.int32)
+                self.table[row, first_new : len(pages)] = new.to(self.device)
+                self.page_logical[new.to(self.device)] = torch.arange(
+                    first_new, len(pages), dtype=torch.int32, device=self.device
+                )
+            self.seq_lens[row] = length + n
+        if rows:
+            self.lens[torch.tensor(list(rows), device=self.device)] = torch.tensor(
+                [self.seq_lens[r] for r in rows], dtype=torch.int32, device=self.device
+            )
+        return copies
+
+    def plan(self, rows: Sequence[int], new_tokens: Sequence[int], q_len: int | None = None) -> StepPlan:
+        """Describe a step whose ``new_tokens[b]`` tokens were just added by ``extend``."""
+        q_len = max(new_tokens) if q_len is None else q_len
+        if q_len < max(new_tokens, default=0):
+            raise ValueError(f"q_len={q_len} is shorter than the longest row ({max(new_tokens)} tokens)")
+        device = self.device
+        rows_t = torch.tensor(list(rows), dtype=torch.int64, device=device)
+        kv_lens = self.lens[rows_t]
+        new_t = torch.tensor(list(new_tokens), dtype=torch.int32, device=device)
+        q_start = kv_lens - q_len
+        positions = q_start[:, None] + torch.arange(q_len, dtype=torch.int32, device=device)  # [B, Q]
+        real = positions >= (kv_lens - new_t)[:, None]
+        pos = positions.clamp_min(0)
+        pages = self.table[rows_t].gather(1, (pos // self.page_size).long()).long()
+        slots = torch.where(real, pages * self.page_size + (pos % self.page_size), self.sink_slot)
+        return StepPlan(rows=rows_t, q_start=q_start, kv_lens=kv_lens, slots=slots, q_len=q_len)
+
+    # ------------------------------------------------------------------ internals
+    def _pages(self, row: int) -> list[int]:
+        if not 0 <= row < self.max_batch_size or self.seq_pages[row] is None:
+            raise ValueError(f"row {row} holds no sequence")
+        return self.seq_pages[row]
+
+    def _needs_copy(self, row: int, num_tokens: int) -> bool:
+        pages, length = self._pages(row), self.seq_lens[row]
+        return num_tokens > 0 and length % self.page_size != 0 and self.ref_counts[pages[-1]] > 1
+
+    def _copy_last_page(self, row: int) -> tuple[int, int]:
+        pages = self.seq_pages[row]
+        src = pages[-1]
+        dst = self.free_pages.popleft()
+        self.ref_counts[dst] = 1
+        self.ref_counts[src] -= 1
+        pages[-1] = dst
+        self.table[row, len(pages) - 1] = dst
+        self.page_logical[dst] = len(pages) - 1
+        return src, dst
+
+    def _unref(self, page: int) -> None:
+        self.ref_counts[page] -= 1
+        if self.ref_counts[page] == 0:
+            self.free_pages.append(page)
+            self.page_logical[page] = -1
