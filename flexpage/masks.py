@@ -139,43 +139,89 @@ def build_block_mask(
     default causal mask, pages entirely visible to every query of the block are "full"
     blocks, for which the kernel skips mask evaluation.
     """
-    page_size = page_table.page_size
-    device = page_table.device
-    batch, q_len = len(plan.rows), plan.q_len
-    num_q_blocks = cdiv(q_len, q_block_size)
-    width = metadata_width(page_table)
-    seq_width = page_table.max_pages_per_seq
+    uniform = plan.q_len == 1 and page_table.device.type == "cpu" and len(plan.rows) > 1
+    kv_num, kv_indices, full_num, full_indices = _block_metadata(
+        page_table.table,
+        plan.rows,
+        plan.q_start,
+        plan.kv_lens,
+        page_size=page_table.page_size,
+        q_len=plan.q_len,
+        q_block_size=q_block_size,
+        width=metadata_width(page_table),
+        sink_page=page_table.num_pages,
+        prune_causal=getattr(causal if mask_mod is None else mask_mod, "within_causal", False),
+        full_causal=mask_mod is None,
+        uniform=uniform,
+    )
+    return BlockMask.from_kv_blocks(
+        kv_num,
+        kv_indices,
+        full_num,
+        full_indices,
+        BLOCK_SIZE=(q_block_size, page_table.page_size),
+        mask_mod=paged_mask_mod(page_table, plan, mask_mod),
+        seq_lengths=(plan.q_len, (page_table.num_pages + 1) * page_table.page_size),
+        compute_q_blocks=False,
+    )
 
-    table = page_table.table[plan.rows].clamp_min(0)  # [B, seq_width]
-    kv_lens = plan.kv_lens.long()[:, None]  # [B, 1]
+
+@torch.compile(dynamic=False, fullgraph=True)
+def _block_metadata(
+    table: Tensor,
+    rows: Tensor,
+    q_start: Tensor,
+    kv_lens: Tensor,
+    *,
+    page_size: int,
+    q_len: int,
+    q_block_size: int,
+    width: int,
+    sink_page: int,
+    prune_causal: bool,
+    full_causal: bool,
+    uniform: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """kv_num_blocks / kv_indices / full_kv_num_blocks / full_kv_indices for one step.
+
+    Compiled into one fused kernel: the tensor work is a few dozen tiny ops whose dispatch
+    overhead alone would exceed the per-step budget.
+    """
+    batch, seq_width = rows.shape[0], table.shape[1]
+    num_q_blocks = (q_len + q_block_size - 1) // q_block_size
+    device = table.device
+    table = table[rows].clamp_min(0)  # [B, seq_width]
+    kv_lens = kv_lens.long()[:, None]  # [B, 1]
     q_block_start = torch.arange(num_q_blocks, device=device) * q_block_size  # [R]
-    first_q = plan.q_start.long()[:, None] + q_block_start  # [B, R]
-    last_q = plan.q_start.long()[:, None] + (q_block_start + q_block_size).clamp_max(q_len) - 1
+    first_q = q_start.long()[:, None] + q_block_start  # [B, R]
+    last_q = q_start.long()[:, None] + (q_block_start + q_block_size).clamp_max(q_len) - 1
     num_pages = (kv_lens + page_size - 1) // page_size
-    if getattr(causal if mask_mod is None else mask_mod, "within_causal", False):
+    visible = num_pages.expand(batch, num_q_blocks)
+    if prune_causal:  # pages past the block's last query are invisible
         visible = torch.minimum(((last_q + 1).clamp_min(0) + page_size - 1) // page_size, num_pages)
-    else:
-        visible = num_pages.expand(batch, num_q_blocks)
-    if mask_mod is None:  # plain causal: pages before the block's first query are full
+    full = torch.zeros_like(visible)
+    if full_causal:  # pages wholly before the block's first query need no mask
         full = torch.minimum(kv_lens // page_size, (first_q + 1).clamp_min(0) // page_size)
         full = torch.minimum(full, visible)
-    else:
-        full = torch.zeros_like(visible)
-
+    if uniform:
+        # Inductor's CPU decode template splits a row's KV work into partitions of its listed
+        # blocks only when every row lists the same number of blocks; otherwise it partitions
+        # the whole pool, so cost follows capacity, not live tokens (measured 6x slower at
+        # batch 8 on a 64k-token pool). Shorter rows list sink-page entries, which the mask
+        # rejects.
+        visible = visible.amax().expand_as(visible)
+        full = full.amin().expand_as(full)
     cols = torch.arange(seq_width, device=device)
-    partial_cols = (cols + full[..., None]).clamp_max(seq_width - 1)  # [B, R, seq_width]
-    partial = table[:, None, :].expand(batch, num_q_blocks, seq_width).gather(2, partial_cols)
-    kv_indices = torch.zeros(batch, 1, num_q_blocks, width, dtype=torch.int32, device=device)
-    full_kv_indices = torch.zeros_like(kv_indices)
-    kv_indices[:, 0, :, :seq_width] = partial
-    full_kv_indices[:, 0, :, :seq_width] = table[:, None, :]
-    return BlockMask.from_kv_blocks(
+    partial_cols = full[..., None] + cols  # [B, R, seq_width]
+    partial = table[:, None, :].expand(batch, num_q_blocks, seq_width).gather(2, partial_cols.clamp_max(seq_width - 1))
+    # Columns past a row's own pages point at the sink page, which the mask always rejects.
+    partial = torch.where(partial_cols < num_pages[..., None], partial, sink_page)
+    pad = width - seq_width
+    kv_indices = torch.nn.functional.pad(partial, (0, pad)).to(torch.int32)[:, None]
+    full_indices = torch.nn.functional.pad(table, (0, pad))[:, None, None, :].expand(batch, 1, num_q_blocks, width)
+    return (
         (visible - full).to(torch.int32)[:, None],
         kv_indices,
         full.to(torch.int32)[:, None],
-        full_kv_indices,
-        BLOCK_SIZE=(q_block_size, page_size),
-        mask_mod=paged_mask_mod(page_table, plan, mask_mod),
-        seq_lengths=(q_len, (page_table.num_pages + 1) * page_size),
-        compute_q_blocks=False,
+        full_indices.contiguous(),
     )
