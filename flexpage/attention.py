@@ -11,6 +11,10 @@ from .masks import ScoreMod
 # One compile per static shape (batch, heads, q_len, pool): the pool never changes shape, so
 # decode at any context length reuses the same graph. Page tables arrive as tensor data.
 _compiled_flex_attention = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+# Each (batch, q_len, heads, pool, page size, mods) combination is its own static graph of
+# that one code object; dynamo's default limit of 8 graphs per code object is too few for a
+# process that serves several models or batch shapes, so we raise it (never lower it).
+torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
 
 
 def paged_attention(

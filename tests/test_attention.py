@@ -1,0 +1,170 @@
+"""Paged attention against scaled_dot_product_attention on the equivalent contiguous tensors.
+
+Each case fixes the shapes (one compile) and hypothesis varies the data: lengths (including
+1 and lengths that are not multiples of the page size), where pages land in a shuffled
+pool, and the chunk offsets. Batch rows are deliberately not 0..B-1.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from reference import GARBAGE, make_cache, reference_attention, write_step
+
+import flexpage
+from flexpage import masks
+
+ROWS = [3, 7, 1]  # active batch rows that are not 0..B-1
+HEAD_DIM = 32
+PREFIX_LENS = torch.tensor([7, 1, 40], dtype=torch.int32)  # prefix-LM prefix per batch index
+
+
+def _alibi(num_heads):
+    mod = masks.alibi(masks.alibi_slopes(num_heads))
+    mod.additive = True  # the reference may fold it into SDPA's float mask
+    return mod
+
+
+MODS = {
+    "causal": lambda hq: (None, None),
+    "sliding": lambda hq: (masks.sliding_window(24), None),
+    "prefix_lm": lambda hq: (masks.prefix_lm(PREFIX_LENS), None),
+    "softcap": lambda hq: (None, masks.softcap(2.0)),
+    "alibi": lambda hq: (None, _alibi(hq)),
+}
+
+# (mode, page_size, mod, dtype, q_heads, kv_heads): one compile each
+CASES = [
+    ("decode", 16, "causal", torch.float32, 8, 2),
+    ("decode", 32, "sliding", torch.float32, 8, 2),
+    ("decode", 64, "softcap", torch.float32, 8, 2),
+    ("decode", 128, "alibi", torch.float32, 8, 2),
+    ("decode", 16, "prefix_lm", torch.float32, 8, 2),
+    ("decode", 16, "causal", torch.float32, 4, 1),
+    ("prefill", 16, "causal", torch.float32, 8, 2),
+    ("prefill", 32, "sliding", torch.float32, 8, 2),
+    ("prefill", 64, "softcap", torch.float32, 8, 2),
+    ("prefill", 128, "prefix_lm", torch.float32, 8, 2),
+    ("prefill", 16, "alibi", torch.float32, 4, 4),
+    ("chunked", 16, "causal", torch.float32, 8, 2),
+    ("chunked", 64, "sliding", torch.float32, 8, 2),
+    ("decode", 16, "causal", torch.bfloat16, 8, 2),
+    ("prefill", 32, "causal", torch.bfloat16, 8, 2),
+]
+MAX_CONTEXT = {"decode": 300, "prefill": 0, "chunked": 200}
+MAX_NEW = {"decode": 1, "prefill": 150, "chunked": 40}
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def run_case(mode, page_size, mod, dtype, hq, hkv, contexts, news, seed, placement_seed=None):
+    """Write random contexts, then run one step of ``news[b]`` new tokens; return (out, reference) rows.
+
+    ``seed`` draws the tensors, ``placement_seed`` (default: ``seed``) the shuffle of the pool.
+    """
+    torch.manual_seed(seed)
+    q_len = MAX_NEW[mode]
+    num_pages = len(ROWS) * -(-(MAX_CONTEXT[mode] + q_len) // page_size) + 5
+    cache = make_cache(page_size, num_pages, hkv, HEAD_DIM, dtype, seed=seed if placement_seed is None else placement_seed)
+    for row in ROWS:
+        cache.add_sequence(row)
+    total = [c + n for c, n in zip(contexts, news)]
+    keys = [torch.randn(hkv, t, HEAD_DIM).to(dtype) for t in total]
+    values = [torch.randn(hkv, t, HEAD_DIM).to(dtype) for t in total]
+    if any(contexts):
+        write_step(cache, ROWS, [k[:, :c] for k, c in zip(keys, contexts)], [v[:, :c] for v, c in zip(values, contexts)])
+    plan, (k_pool, v_pool) = write_step(
+        cache, ROWS, [k[:, c:] for k, c in zip(keys, contexts)], [v[:, c:] for v, c in zip(values, contexts)], q_len
+    )
+    mask_mod, score_mod = MODS[mod](hq)
+    query = torch.randn(len(ROWS), hq, q_len, HEAD_DIM).to(dtype)
+    block_mask = flexpage.build_block_mask(cache.page_table, plan, mask_mod)
+    assert block_mask.BLOCK_SIZE[1] == page_size  # a KV block never spans two pages
+    paged_score = flexpage.paged_score_mod(cache.page_table, plan, score_mod) if score_mod else None
+    out = flexpage.paged_attention(query, k_pool, v_pool, block_mask, paged_score)
+    results = []
+    for b, (c, n) in enumerate(zip(contexts, news)):
+        q_pos = torch.arange(c, c + n)
+        ref = reference_attention(query[b, :, q_len - n :], keys[b], values[b], q_pos, b, mask_mod, score_mod)
+        results.append((out[b, :, q_len - n :].float(), ref.float()))
+    return results
+
+
+@st.composite
+def lengths(draw, mode):
+    max_new, max_ctx = MAX_NEW[mode], MAX_CONTEXT[mode]
+    news = [draw(st.integers(1, max_new)) for _ in ROWS]
+    low = 1 if mode == "decode" else 0
+    contexts = [draw(st.integers(low, max_ctx) | st.sampled_from([low, 15, 16, 17, 64])) for _ in ROWS]
+    if mode == "prefill":
+        contexts = [0] * len(ROWS)
+    if mode == "decode":  # a row of length 1 (its first token)
+        contexts[draw(st.integers(0, len(ROWS) - 1))] = draw(st.sampled_from([0, 1, 15]))
+    return contexts, news
+
+
+@pytest.mark.parametrize("mode, page_size, mod, dtype, hq, hkv", CASES, ids=lambda v: str(v).replace("torch.", ""))
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_paged_attention_matches_sdpa(mode, page_size, mod, dtype, hq, hkv, data):
+    contexts, news = data.draw(lengths(mode))
+    seed = data.draw(st.integers(0, 2**16))
+    for out, ref in run_case(mode, page_size, mod, dtype, hq, hkv, contexts, news, seed):
+        assert torch.isfinite(out).all()
+        assert (out - ref).abs().max().item() <= TOLERANCE[dtype]
+
+
+def test_results_do_not_depend_on_where_pages_land():
+    contexts, news = [40, 1, 133], [1, 1, 1]
+    first, second = (run_case("decode", 16, "causal", torch.float32, 8, 2, contexts, news, 0, placement)
+                     for placement in (1, 2))
+    for (out_a, _), (out_b, _) in zip(first, second):
+        assert torch.equal(out_a, out_b)
+
+
+def test_unwritten_slots_of_last_page_are_never_read():
+    # length 17 with page 16: the second page holds 1 live token and 15 garbage slots
+    (out, ref), *_ = run_case("decode", 16, "prefix_lm", torch.float32, 8, 2, [16, 3, 2], [1, 1, 1], seed=5)
+    assert GARBAGE > 100 * out.abs().max()
+    assert (out - ref).abs().max() <= 1e-5
+
+
+def test_block_mask_lists_only_own_pages_and_is_not_pool_sized_off_cpu():
+    cache = make_cache(16, 64, 2, HEAD_DIM)
+    for row in ROWS:
+        cache.add_sequence(row)
+    plan, _ = write_step(cache, ROWS, [torch.randn(2, n, HEAD_DIM) for n in (5, 37, 130)],
+                         [torch.randn(2, n, HEAD_DIM) for n in (5, 37, 130)])
+    bm = flexpage.build_block_mask(cache.page_table, plan)
+    pt = cache.page_table
+    for b, row in enumerate(ROWS):
+        for r in range(bm.kv_num_blocks.shape[2]):
+            n_full, n_part = bm.full_kv_num_blocks[b, 0, r].item(), bm.kv_num_blocks[b, 0, r].item()
+            listed = bm.full_kv_indices[b, 0, r, :n_full].tolist() + bm.kv_indices[b, 0, r, :n_part].tolist()
+            assert listed == pt.pages_of(row)[: len(listed)]  # own pages, logical order, no duplicates
+    assert flexpage.masks.metadata_width(pt) == pt.num_pages + 1  # CPU template needs the pool's width
+    meta = flexpage.PageTable(4096, 16, 8, max_pages_per_seq=128, device="meta")
+    assert flexpage.masks.metadata_width(meta) == 128  # elsewhere: batch x pages-per-sequence
+
+
+def test_no_recompiles_across_decode_lengths_1_to_2048():
+    from torch._dynamo.utils import counters
+
+    batch, hq, hkv = 2, 8, 2
+    cache = make_cache(16, 2 * 2048 // 16 + 2, hkv, HEAD_DIM, max_batch_size=batch)
+    rows = [cache.add_sequence() for _ in range(batch)]
+    query = torch.randn(batch, hq, 1, HEAD_DIM)
+
+    def step():
+        plan, (kp, vp) = write_step(cache, rows, [torch.randn(hkv, 1, HEAD_DIM)] * batch,
+                                    [torch.randn(hkv, 1, HEAD_DIM)] * batch)
+        return flexpage.paged_attention(query, kp, vp, flexpage.build_block_mask(cache.page_table, plan))
+
+    step()  # warm-up: length 1
+    graphs = counters["stats"]["unique_graphs"]
+    for _ in range(2047):
+        out = step()
+    assert cache.seq_length(rows[0]) == 2048
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert torch.isfinite(out).all()

@@ -1,0 +1,123 @@
+"""PagedKVCache: pools, slot writes, copy-on-write, stats, and bad input."""
+
+import pytest
+import torch
+from reference import make_cache, write_step
+from transformers import LlamaConfig
+from transformers.cache_utils import Cache
+
+import flexpage
+from flexpage import OutOfPagesError, PagedKVCache
+
+D = 8
+
+
+def kv(hkv, n, fill=None):
+    t = torch.randn(hkv, n, D)
+    return t if fill is None else torch.full_like(t, fill)
+
+
+def test_built_from_a_transformers_config():
+    config = LlamaConfig(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    cache = PagedKVCache(config, page_size=16, num_pages=10, max_batch_size=2)
+    assert isinstance(cache, Cache) and len(cache.layers) == 3
+    assert cache.layers[0].keys.shape == (1, 2, 11 * 16, 16)  # + sink page; head_dim = 64 / 4
+
+
+def test_written_tokens_read_back_through_pages():
+    cache = make_cache(16, 12, 2, D)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    ka, va, kb, vb = kv(2, 37), kv(2, 37), kv(2, 5), kv(2, 5)
+    write_step(cache, [a, b], [ka[:, :30], kb], [va[:, :30], vb])
+    write_step(cache, [a], [ka[:, 30:]], [va[:, 30:]])
+    ga, gva = cache.gather(0, a)
+    assert torch.equal(ga, ka) and torch.equal(gva, va)
+    assert torch.equal(cache.gather(0, b)[0], kb)
+
+
+def test_stats_count_live_tokens_and_shared_pages_once():
+    cache = make_cache(16, 12, 2, D)
+    a = cache.add_sequence()
+    write_step(cache, [a], [kv(2, 20)], [kv(2, 20)])
+    s = cache.stats()
+    assert (s.pages_total, s.pages_used, s.pages_free, s.live_tokens, s.reserved_slots) == (12, 2, 10, 20, 32)
+    assert s.utilisation == pytest.approx(20 / 32)
+    cache.fork(a)
+    assert cache.stats().live_tokens == 20 and cache.stats().pages_used == 2
+
+
+def test_fork_copies_shared_partial_page_before_writing():
+    cache = make_cache(16, 12, 2, D)
+    a = cache.add_sequence()
+    k0, v0 = kv(2, 20), kv(2, 20)
+    write_step(cache, [a], [k0], [v0])
+    b = cache.fork(a)
+    write_step(cache, [b], [kv(2, 1, 7.0)], [kv(2, 1, 7.0)])  # writes into the shared partial page
+    assert torch.equal(cache.gather(0, a)[0], k0)  # the original row is untouched
+    kb, _ = cache.gather(0, b)
+    assert torch.equal(kb[:, :20], k0) and (kb[:, 20] == 7.0).all()
+    assert cache.page_table.pages_of(a)[0] == cache.page_table.pages_of(b)[0]
+
+
+def test_out_of_pages_leaves_cache_byte_for_byte_unchanged():
+    cache = make_cache(16, 4, 2, D)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    write_step(cache, [a], [kv(2, 40)], [kv(2, 40)])
+    pools = [t.clone() for t in (cache.layers[0].keys, cache.layers[0].values)]
+    pt = cache.page_table
+    before = (list(pt.free_pages), list(pt.ref_counts), [list(p or []) for p in pt.seq_pages], list(pt.seq_lens),
+              pt.table.clone(), pt.lens.clone(), pt.page_logical.clone())
+    with pytest.raises(OutOfPagesError):
+        write_step(cache, [a, b], [kv(2, 1), kv(2, 40)], [kv(2, 1), kv(2, 40)])
+    after = (list(pt.free_pages), list(pt.ref_counts), [list(p or []) for p in pt.seq_pages], list(pt.seq_lens),
+             pt.table.clone(), pt.lens.clone(), pt.page_logical.clone())
+    assert all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(before, after))
+    assert torch.equal(pools[0], cache.layers[0].keys) and torch.equal(pools[1], cache.layers[0].values)
+    write_step(cache, [b], [kv(2, 16)], [kv(2, 16)])  # a request that fits still succeeds
+
+
+@pytest.mark.parametrize("page_size", [0, 8, 24, 48, 100, 16.0, True])
+def test_page_size_must_be_a_legal_kv_block(page_size):
+    with pytest.raises(ValueError, match="page_size"):
+        PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=D, page_size=page_size, num_pages=4, max_batch_size=1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(dtype=torch.float64), "dtype"),
+        (dict(num_kv_heads=0), "num_kv_heads"),
+        (dict(device=["cpu", "cpu"]), "device"),
+    ],
+)
+def test_bad_cache_arguments(kwargs, match):
+    args = dict(num_layers=1, num_kv_heads=2, head_dim=D, page_size=16, num_pages=4, max_batch_size=1) | kwargs
+    with pytest.raises(ValueError, match=match):
+        PagedKVCache(**args)
+
+
+def test_update_rejects_wrong_shapes_and_unknown_rows():
+    cache = make_cache(16, 4, 2, D)
+    a = cache.add_sequence()
+    cache.begin_step([a], [3])
+    with pytest.raises(ValueError, match="key/value states must have shape"):
+        cache.update(torch.zeros(1, 4, 3, D), torch.zeros(1, 4, 3, D), 0)  # 4 heads, cache has 2
+    with pytest.raises(ValueError, match="holds no sequence"):
+        cache.begin_step([5], [1])
+
+
+def test_paged_attention_rejects_mismatched_inputs():
+    cache = make_cache(16, 4, 2, D)
+    a = cache.add_sequence()
+    plan, (kp, vp) = write_step(cache, [a], [kv(2, 3)], [kv(2, 3)])
+    bm = flexpage.build_block_mask(cache.page_table, plan)
+    cases = [
+        (torch.zeros(1, 3, 3, D), "multiple of key_pool heads"),
+        (torch.zeros(1, 4, 3, D, dtype=torch.bfloat16), "dtype"),
+        (torch.zeros(1, 4, 3, D + 1), "head_dim"),
+        (torch.zeros(2, 4, 3, D), "batch"),
+        (torch.zeros(4, 3, D), "4-D"),
+    ]
+    for query, match in cases:
+        with pytest.raises(ValueError, match=match):
+            flexpage.paged_attention(query, kp, vp, bm)

@@ -1,0 +1,45 @@
+"""Each mod of the library is a tiny pure function in logical coordinates: check its truth table."""
+
+import pytest
+import torch
+
+from flexpage import masks
+
+Q = torch.arange(6)[:, None]
+KV = torch.arange(6)[None, :]
+B = H = torch.tensor(0)
+
+
+def test_causal():
+    assert torch.equal(masks.causal(B, H, Q, KV), torch.ones(6, 6, dtype=torch.bool).tril())
+
+
+def test_sliding_window_sees_itself_and_window_minus_one_before():
+    m = masks.sliding_window(3)(B, H, Q, KV)
+    expect = torch.tensor([[0 <= q - k < 3 for k in range(6)] for q in range(6)])
+    assert torch.equal(m, expect)
+
+
+def test_prefix_lm_is_bidirectional_inside_the_prefix():
+    m = masks.prefix_lm(torch.tensor([2, 4]))(torch.tensor(1), H, Q, KV)
+    expect = torch.tensor([[k < 4 or k <= q for k in range(6)] for q in range(6)])
+    assert torch.equal(m, expect)
+
+
+def test_softcap_bounds_scores_and_keeps_small_ones():
+    s = torch.tensor([-1e4, -1.0, 0.0, 1e-3, 1e4])
+    out = masks.softcap(5.0)(s, B, H, Q, KV)
+    assert out.abs().max() <= 5.0 and out[3] == pytest.approx(1e-3, rel=1e-4)
+
+
+def test_alibi_penalises_distance_per_head():
+    slopes = masks.alibi_slopes(4)
+    assert slopes.tolist() == [2**-2, 2**-4, 2**-6, 2**-8]
+    out = masks.alibi(slopes)(torch.zeros(()), B, torch.tensor(1), torch.tensor(9), torch.tensor(5))
+    assert out.item() == pytest.approx(-4 * 2**-4)
+
+
+@pytest.mark.parametrize("make, arg", [(masks.sliding_window, 0), (masks.softcap, 0.0)])
+def test_bad_mod_arguments(make, arg):
+    with pytest.raises(ValueError):
+        make(arg)
