@@ -4,7 +4,8 @@ from . import masks
 from .attention import paged_attention
 from .cache import CacheStats, PagedKVCache
 from .errors import FlexpageError, OutOfPagesError, UnsupportedModelError
-from .masks import build_block_mask, paged_mask_mod, paged_score_mod
+from .hf import unwrap, wrap
+from .masks import PagedBlockMask, build_block_mask, paged_mask_mod, paged_score_mod
 from .pages import PageTable, StepPlan
 
 __all__ = [
@@ -12,6 +13,7 @@ __all__ = [
     "FlexpageError",
     "OutOfPagesError",
     "PageTable",
+    "PagedBlockMask",
     "PagedKVCache",
     "StepPlan",
     "UnsupportedModelError",
@@ -20,6 +22,8 @@ __all__ = [
     "paged_attention",
     "paged_mask_mod",
     "paged_score_mod",
+    "unwrap",
+    "wrap",
 ]
 
 __version__ = "0.1.0"

@@ -44,7 +44,8 @@ class PagedLayer(CacheLayerMixin):
     The extra page at the end is the sink that absorbs padding writes; it is never attended.
     """
 
-    is_compileable = True
+    # Not for transformers' own static-cache auto-compile: flexpage compiles attention itself.
+    is_compileable = False
 
     def __init__(self, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -128,6 +129,11 @@ class PagedKVCache(Cache):
         self.head_dim = head_dim
         self.dtype = dtype
         self.step: StepPlan | None = None
+        self._written: set[int] = set()  # layers already written in this step
+        # transformers' view: the page-table rows its batch index refers to, and how many
+        # positions (padding included) its forwards have fed along the time axis.
+        self.batch_rows: list[int] = []
+        self.seen_tokens = 0
 
     # ------------------------------------------------------------------ steps
     def begin_step(self, rows: Sequence[int], new_tokens: Sequence[int], q_len: int | None = None) -> StepPlan:
@@ -142,6 +148,7 @@ class PagedKVCache(Cache):
             for layer in self.layers:
                 layer.copy_page(src, dst, self.page_size)
         self.step = self.page_table.plan(rows, new_tokens, q_len)
+        self._written = set()
         return self.step
 
     def update(
@@ -149,20 +156,115 @@ class PagedKVCache(Cache):
         key_states: torch.Tensor,
         value_states: torch.Tensor,
         layer_idx: int,
-        cache_kwargs: dict[str, Any] | None = None,
+        *args: Any,
+        **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this step's K/V for one layer; return that layer's full pools."""
-        if self.step is None:
-            raise RuntimeError("PagedKVCache.update called before begin_step")
+        """Write this step's K/V for one layer; return that layer's full pools.
+
+        ``key_states``/``value_states`` are ``[B, kv_heads, q, head_dim]`` with ``q`` at most
+        the plan's ``q_len`` (a forward may be shorter than its bucketed plan: its tokens are
+        the plan's last ``q`` columns). Each layer is written once per step.
+        """
+        step = self.step
+        if step is None or layer_idx in self._written:
+            raise RuntimeError(
+                "PagedKVCache.update outside a paged step: no step was begun for this forward "
+                "(use a model wrapped with flexpage.wrap, or call begin_step first)"
+            )
         layer = self.layers[layer_idx]
-        expected = (len(self.step.rows), self.num_kv_heads, self.step.q_len, self.head_dim)
-        if tuple(key_states.shape) != expected or tuple(value_states.shape) != expected:
+        q = key_states.shape[2] if key_states.dim() == 4 else -1
+        expected = (len(step.rows), self.num_kv_heads, q, self.head_dim)
+        if (
+            tuple(key_states.shape) != expected
+            or tuple(value_states.shape) != expected
+            or not step.max_new <= q <= step.q_len
+        ):
             raise ValueError(
-                f"key/value states must have shape {expected} (batch, kv_heads, q_len, head_dim), "
+                f"key/value states must have shape (batch={len(step.rows)}, kv_heads={self.num_kv_heads}, "
+                f"q in [{step.max_new}, {step.q_len}], head_dim={self.head_dim}), "
                 f"got {tuple(key_states.shape)} and {tuple(value_states.shape)}"
             )
-        layer.write(self.step.slots, key_states, value_states)
+        layer.write(step.slots[:, step.q_len - q :], key_states, value_states)
+        self._written.add(layer_idx)
         return layer.keys, layer.values
+
+    # ------------------------------------------------------------------ transformers Cache API
+    def begin_batch_step(self, new_tokens: Sequence[int], q_len: int, positions: int) -> StepPlan:
+        """A step of a transformers forward: batch index ``b`` is row ``batch_rows[b]``.
+
+        The first step of a batch claims its rows; ``positions`` is the forward's length along
+        the padded time axis (what ``get_seq_length`` reports). All or nothing, as ``begin_step``.
+        """
+        claimed = []
+        if not self.batch_rows:
+            try:
+                claimed = [self.add_sequence() for _ in new_tokens]
+            except Exception:
+                for row in claimed:
+                    self.free_sequence(row)
+                raise
+            self.batch_rows = claimed
+        elif len(self.batch_rows) != len(new_tokens):
+            raise ValueError(f"batch of {len(new_tokens)} rows, but this cache holds a batch of {len(self.batch_rows)}")
+        try:
+            plan = self.begin_step(self.batch_rows, new_tokens, q_len)
+        except Exception:
+            for row in claimed:
+                self.free_sequence(row)
+            if claimed:
+                self.batch_rows = []
+            raise
+        self.seen_tokens += positions
+        return plan
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen_tokens
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.seen_tokens + query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.page_table.max_pages_per_seq * self.page_size
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.page_table.max_batch_size
+
+    @property
+    def max_cache_len(self) -> int:
+        return self.get_max_length()
+
+    def reset(self) -> None:
+        """Release every sequence (pages back to the pool); the pools stay allocated."""
+        for row in self.page_table.active_rows:
+            self.free_sequence(row)
+        self.batch_rows, self.seen_tokens, self.step = [], 0, None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: batch row ``i`` takes what row ``beam_idx[i]`` held, by page references."""
+        sources = [self.batch_rows[i] for i in beam_idx.tolist()]
+        self.page_table.permute(self.batch_rows, sources)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens of every sequence (transformers' convention)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
+        for row in self.batch_rows:
+            self.page_table.truncate(row, max(0, self.page_table.seq_lens[row] + tokens_to_remove))
+        self.seen_tokens = max(0, self.seen_tokens + tokens_to_remove)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each sequence becomes ``repeats`` sequences sharing its pages."""
+        new_rows = []
+        for row in self.batch_rows:
+            new_rows += [row] + [self.fork(row) for _ in range(repeats - 1)]
+        self.batch_rows = new_rows
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        keep = [self.batch_rows[i] for i in indices.tolist()]
+        for row in set(self.batch_rows) - set(keep):
+            self.free_sequence(row)
+        self.batch_rows = keep
 
     # ------------------------------------------------------------------ sequences
     def add_sequence(self, row: int | None = None) -> int:

@@ -139,6 +139,44 @@ def build_block_mask(
     default causal mask, pages entirely visible to every query of the block are "full"
     blocks, for which the kernel skips mask evaluation.
     """
+    return _build(BlockMask, page_table, plan, mask_mod, q_block_size)
+
+
+class PagedBlockMask(BlockMask):
+    """A step's causal BlockMask that also carries its page table and plan.
+
+    Built once per forward and handed to every layer as the attention mask; layers that need
+    another variant (a sliding window, a soft-cap score mod) get it from here, built once per
+    step and shared by every layer that asks.
+    """
+
+    page_table: PageTable
+    plan: StepPlan
+
+    @classmethod
+    def for_step(cls, page_table: PageTable, plan: StepPlan) -> "PagedBlockMask":
+        mask = _build(cls, page_table, plan, None, Q_BLOCK_SIZE)
+        mask.page_table, mask.plan, mask._variants = page_table, plan, {}
+        return mask
+
+    def with_window(self, window: int | None) -> BlockMask:
+        """This step's mask, restricted to a causal sliding window of ``window`` tokens."""
+        if window is None:
+            return self
+        if ("window", window) not in self._variants:
+            self._variants["window", window] = build_block_mask(self.page_table, self.plan, sliding_window(window))
+        return self._variants["window", window]
+
+    def softcap_mod(self, cap: float | None) -> ScoreMod | None:
+        """The physical-slot soft-capping score mod for this step (None when ``cap`` is None)."""
+        if cap is None:
+            return None
+        if ("softcap", cap) not in self._variants:
+            self._variants["softcap", cap] = paged_score_mod(self.page_table, self.plan, softcap(cap))
+        return self._variants["softcap", cap]
+
+
+def _build(cls, page_table: PageTable, plan: StepPlan, mask_mod: MaskMod | None, q_block_size: int):
     uniform = plan.q_len == 1 and page_table.device.type == "cpu" and len(plan.rows) > 1
     kv_num, kv_indices, full_num, full_indices = _block_metadata(
         page_table.table,
@@ -154,7 +192,7 @@ def build_block_mask(
         full_causal=mask_mod is None,
         uniform=uniform,
     )
-    return BlockMask.from_kv_blocks(
+    return cls.from_kv_blocks(
         kv_num,
         kv_indices,
         full_num,

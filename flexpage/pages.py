@@ -35,6 +35,7 @@ class StepPlan:
     kv_lens: torch.Tensor  # [B] int32, tokens in the cache once this step is written
     slots: torch.Tensor  # [B, q_len] int64, pool slot of each query token
     q_len: int
+    max_new: int  # the longest row's new tokens: only the last ``max_new`` columns are ever real
 
 
 class PageTable:
@@ -137,6 +138,34 @@ class PageTable:
         self.lens[dst] = self.seq_lens[src]
         return dst
 
+    def permute(self, rows: Sequence[int], sources: Sequence[int]) -> None:
+        """Make ``rows[i]`` hold what ``sources[i]`` held (beam reordering): page lists and
+        reference counts move, K/V bytes do not. Sources must be among ``rows``."""
+        if len(rows) != len(sources) or not set(sources) <= set(rows):
+            raise ValueError(f"sources {list(sources)} must be taken from rows {list(rows)}")
+        new_pages = [list(self._pages(src)) for src in sources]
+        new_lens = [self.seq_lens[src] for src in sources]
+        for pages in new_pages:
+            for page in pages:
+                self.ref_counts[page] += 1
+        for row, pages, length in zip(rows, new_pages, new_lens):
+            for page in self.seq_pages[row]:
+                self._unref(page)
+            self.seq_pages[row], self.seq_lens[row] = pages, length
+            self._mirror(row)
+
+    def truncate(self, row: int, length: int) -> None:
+        """Keep only the first ``length`` tokens of a row; pages past them lose a reference."""
+        pages = self._pages(row)
+        if not 0 <= length <= self.seq_lens[row]:
+            raise ValueError(f"cannot truncate row {row} of {self.seq_lens[row]} tokens to {length}")
+        keep = cdiv(length, self.page_size)
+        for page in pages[keep:]:
+            self._unref(page)
+        del pages[keep:]
+        self.seq_lens[row] = length
+        self._mirror(row)
+
     # ------------------------------------------------------------------ growth
     def extend(self, rows: Sequence[int], num_tokens: Sequence[int]) -> list[tuple[int, int]]:
         """Grow each row by its number of tokens, all or nothing.
@@ -205,7 +234,8 @@ class PageTable:
         pos = positions.clamp_min(0)
         pages = self.table[rows_t].gather(1, (pos // self.page_size).long()).long()
         slots = torch.where(real, pages * self.page_size + (pos % self.page_size), self.sink_slot)
-        return StepPlan(rows=rows_t, q_start=q_start, kv_lens=kv_lens, slots=slots, q_len=q_len)
+        return StepPlan(rows=rows_t, q_start=q_start, kv_lens=kv_lens, slots=slots, q_len=q_len,
+                        max_new=max(new_tokens, default=0))
 
     # ------------------------------------------------------------------ internals
     def _pages(self, row: int) -> list[int]:
@@ -227,6 +257,14 @@ class PageTable:
         self.table[row, len(pages) - 1] = dst
         self.page_logical[dst] = len(pages) - 1
         return src, dst
+
+    def _mirror(self, row: int) -> None:
+        """Rewrite a row's device mirrors from the host lists."""
+        pages = self.seq_pages[row]
+        self.table[row] = -1
+        if pages:
+            self.table[row, : len(pages)] = torch.tensor(pages, dtype=torch.int32).to(self.device)
+        self.lens[row] = self.seq_lens[row]
 
     def _unref(self, page: int) -> None:
         self.ref_counts[page] -= 1

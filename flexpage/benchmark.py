@@ -1,0 +1,127 @@
+"""Timing, probes and counters shared by the benchmark scripts and notebooks.
+
+These VMs have bursts of slowdown lasting minutes, so measurements interleave the
+configurations they compare, repeat, take medians, and time a small matmul probe before
+and after each cell: a cell whose probe ran slow is measured again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+def matmul_probe_ms(size: int = 256, repeats: int = 5) -> float:
+    """Median time of a fixed small matmul: a yardstick for how fast the machine is right now."""
+    a = torch.randn(size, size)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ a
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def time_ms(fn: Callable[[], object], repeats: int) -> list[float]:
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return samples
+
+
+@dataclass
+class Timing:
+    samples_ms: list[float] = field(default_factory=list)  # one median per round
+    remeasured: int = 0
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.samples_ms) if self.samples_ms else float("nan")
+
+
+def interleaved(
+    cells: dict[str, Callable[[], object]],
+    rounds: int = 5,
+    repeats: int = 20,
+    warmup: int = 3,
+    probe_tolerance: float = 1.5,
+    max_retries: int = 3,
+) -> dict[str, Timing]:
+    """Time every cell once per round, round-robin, so slow spells hit all cells alike.
+
+    A cell's round is re-measured (up to ``max_retries`` times) when the probe before or
+    after it is ``probe_tolerance`` x slower than the fastest probe seen so far.
+    """
+    for fn in cells.values():
+        for _ in range(warmup):
+            fn()
+    best_probe = matmul_probe_ms()
+    timings = {name: Timing() for name in cells}
+    for _ in range(rounds):
+        for name, fn in cells.items():
+            for attempt in range(max_retries + 1):
+                before = matmul_probe_ms()
+                median = statistics.median(time_ms(fn, repeats))
+                after = matmul_probe_ms()
+                best_probe = min(best_probe, before, after)
+                if max(before, after) <= probe_tolerance * best_probe or attempt == max_retries:
+                    break
+                timings[name].remeasured += 1
+            timings[name].samples_ms.append(median)
+    return timings
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process (difference two readings to count recompiles)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def machine_info() -> dict:
+    import transformers
+
+    return {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def write_records(path_stem: str, records: list[dict], meta: dict) -> None:
+    """Write ``records`` as ``<stem>.csv`` and, with ``meta``, as ``<stem>.json``."""
+    import csv
+
+    os.makedirs(os.path.dirname(path_stem) or ".", exist_ok=True)
+    columns = list(dict.fromkeys(k for r in records for k in r))
+    with open(path_stem + ".csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(records)
+    with open(path_stem + ".json", "w") as f:
+        json.dump({"meta": meta, "records": records}, f, indent=2, default=str)
+
+
+__all__ = ["Timing", "compiled_graphs", "interleaved", "machine_info", "matmul_probe_ms", "peak_rss_mb",
+           "time_ms", "write_records"]

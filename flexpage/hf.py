@@ -1,0 +1,230 @@
+"""HuggingFace integration: ``wrap(model)`` routes ``generate()`` through a PagedKVCache.
+
+Only transformers' own extension points are used, and only on the model given:
+
+* the attention implementation ``"flexpage"`` (``"flexpage_eager"`` for models whose stock
+  path is eager) is registered with ``AttentionInterface`` / ``AttentionMaskInterface``;
+  when a forward carries no paged cache both hooks defer to the stock implementation, so
+  scoring or training a wrapped model computes exactly what it did before;
+* a forward pre-hook on the model's decoder (an ``nn.Module`` hook on that instance) begins
+  the paged step when the forward's cache is a ``PagedKVCache``: it reserves pages, plans
+  slots and hands every layer one ``PagedBlockMask`` as its attention mask, built once;
+* ``generate`` is shadowed on the instance only, to pass the model's PagedKVCache.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.hooks import RemovableHandle
+from transformers import PreTrainedModel
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+from .attention import paged_attention
+from .cache import PagedKVCache
+from .errors import UnsupportedModelError
+from .masks import PagedBlockMask
+from .pages import cdiv
+
+FALLBACKS = {"sdpa": "flexpage", "eager": "flexpage_eager"}  # stock implementation -> our name
+SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
+# Config flags whose attention flexpage does not reproduce (attribute -> what it means).
+UNSUPPORTED_FLAGS = {
+    "attention_chunk_size": "chunked local attention",
+    "use_bidirectional_attention": "bidirectional attention",
+    "sliding_window_pattern_bidirectional": "bidirectional sliding attention",
+}
+
+
+@dataclass
+class _Wrapped:
+    cache: PagedKVCache
+    stock_implementation: str
+    hook: RemovableHandle
+
+
+def wrap(
+    model: PreTrainedModel,
+    page_size: int = 16,
+    max_cached_tokens: int = 32768,
+    max_batch_size: int = 32,
+    max_seq_len: int | None = None,
+) -> PreTrainedModel:
+    """Serve ``model.generate()`` from a paged KV cache of ``max_cached_tokens`` tokens.
+
+    The cache is allocated once (per-layer pools on each layer's device, in the model's
+    dtype) and reused by every ``generate`` call; a call's pages are released when it
+    returns. ``max_seq_len`` caps one sequence (default: the whole pool). Returns the same
+    model object. Raises ``UnsupportedModelError`` for models flexpage cannot serve exactly.
+    """
+    if getattr(model, "_flexpage", None) is not None:
+        unwrap(model)
+    stock = check_supported(model)
+    if max_cached_tokens < page_size:
+        raise ValueError(f"max_cached_tokens ({max_cached_tokens}) must hold at least one page of {page_size}")
+    num_pages = cdiv(max_cached_tokens, page_size)
+    cache = PagedKVCache(
+        model.config,
+        page_size=page_size,
+        num_pages=num_pages,
+        max_batch_size=max_batch_size,
+        max_pages_per_seq=min(num_pages, cdiv(max_seq_len, page_size)) if max_seq_len else None,
+        dtype=model.dtype,
+        device=_layer_devices(model),
+    )
+    _register(stock)
+    model.set_attn_implementation(FALLBACKS[stock])
+    hook = model.base_model.register_forward_pre_hook(_begin_paged_step, with_kwargs=True)
+    model._flexpage = _Wrapped(cache=cache, stock_implementation=stock, hook=hook)
+    model.generate = types.MethodType(_paged_generate, model)
+    return model
+
+
+def unwrap(model: PreTrainedModel) -> PreTrainedModel:
+    """Undo ``wrap``: stock attention, stock ``generate``, the cache released."""
+    state = getattr(model, "_flexpage", None)
+    if state is None:
+        return model
+    state.hook.remove()
+    model.set_attn_implementation(state.stock_implementation)
+    del model.generate  # the class's generate shows through again
+    model._flexpage = None
+    return model
+
+
+def check_supported(model: PreTrainedModel) -> str:
+    """The stock attention implementation flexpage stands in for; raises UnsupportedModelError."""
+    name = type(model).__name__
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{name}: encoder-decoder models are not supported (decoder-only only)")
+    if not hasattr(model, "generate") or not getattr(model, "_supports_attention_backend", False):
+        raise UnsupportedModelError(f"{name}: its attention does not go through transformers' AttentionInterface")
+    for flag, meaning in UNSUPPORTED_FLAGS.items():
+        if getattr(config, flag, None):
+            raise UnsupportedModelError(f"{name}: config.{flag}={getattr(config, flag)!r} ({meaning}) is not supported")
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if layer_types - SUPPORTED_LAYER_TYPES:
+        raise UnsupportedModelError(f"{name}: layer types {sorted(layer_types - SUPPORTED_LAYER_TYPES)} are not supported")
+    stock = config._attn_implementation
+    if stock not in FALLBACKS:
+        raise UnsupportedModelError(
+            f"{name}: wrap a model loaded with attn_implementation 'sdpa' or 'eager' (it has {stock!r})"
+        )
+    return stock
+
+
+def _layer_devices(model: PreTrainedModel) -> list[torch.device]:
+    """Each decoder layer's device (models dispatched with a device_map span several)."""
+    devices: dict[int, torch.device] = {}
+    for module in model.modules():
+        layer_idx = getattr(module, "layer_idx", None)
+        if isinstance(layer_idx, int) and type(module).__name__.endswith("Attention") and layer_idx not in devices:
+            param = next(module.parameters(), None)
+            devices[layer_idx] = param.device if param is not None else model.device
+    count = model.config.num_hidden_layers
+    return [devices.get(i, model.device) for i in range(count)]
+
+
+def _paged_generate(self: PreTrainedModel, *args: Any, **kwargs: Any) -> Any:
+    """``generate`` on a wrapped model: uses the model's PagedKVCache unless given a cache."""
+    if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None or kwargs.get("use_cache") is False:
+        return type(self).generate(self, *args, **kwargs)
+    cache = self._flexpage.cache
+    cache.reset()
+    try:
+        return type(self).generate(self, *args, cache=cache, **kwargs)
+    finally:
+        cache.reset()
+
+
+def new_token_counts(attention_mask: torch.Tensor | None, batch: int, q_len: int) -> list[int]:
+    """Real (non-padding) tokens per row among a forward's ``q_len`` new positions.
+
+    transformers pads batched prompts on the left; padding is never stored in pages, so a
+    padding position after a real token (right padding) cannot be served and is rejected.
+    """
+    if attention_mask is None:
+        return [q_len] * batch
+    if attention_mask.dim() != 2:
+        raise ValueError(f"a paged forward takes a 2-D padding mask, got shape {tuple(attention_mask.shape)}")
+    tail = attention_mask[:, -q_len:].to(device="cpu", dtype=torch.bool)
+    counts = tail.sum(-1)
+    left_padded = torch.arange(q_len) >= (q_len - counts)[:, None]
+    if not torch.equal(tail, left_padded):
+        raise ValueError("flexpage needs left padding (padding_side='left'): a padding position follows a token")
+    return counts.tolist()
+
+
+def bucket(q_len: int) -> int:
+    """Query lengths are padded to powers of two (>= 16) so prompts of any length share a few compiles."""
+    return 1 if q_len == 1 else max(16, 1 << (q_len - 1).bit_length())
+
+
+def _begin_paged_step(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if not isinstance(cache, PagedKVCache):
+        return None  # not a paged call: the stock path runs untouched
+    inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+    if inputs is None and args:
+        inputs = args[0]
+    batch, q_len = inputs.shape[:2]
+    counts = new_token_counts(kwargs.get("attention_mask"), batch, q_len)
+    plan = cache.begin_batch_step(counts, bucket(q_len), positions=q_len)
+    kwargs["attention_mask"] = PagedBlockMask.for_step(cache.page_table, plan)
+    return args, kwargs
+
+
+def _make_attention(stock: str):
+    def flexpage_attention(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Any,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        if not isinstance(attention_mask, PagedBlockMask):
+            fallback = ALL_ATTENTION_FUNCTIONS.get(stock) or sys.modules[type(module).__module__].eager_attention_forward
+            return fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        if dropout:
+            raise UnsupportedModelError(f"{type(module).__name__}: attention dropout (training mode) in a paged call")
+        for name in ("s_aux", "sinks"):
+            if kwargs.get(name) is not None:
+                raise UnsupportedModelError(f"{type(module).__name__}: attention sinks ({name}) are not supported")
+        plan = attention_mask.plan
+        pad = plan.q_len - query.shape[2]
+        out = paged_attention(
+            F.pad(query, (0, 0, pad, 0)) if pad else query,
+            key,
+            value,
+            attention_mask.with_window(kwargs.get("sliding_window")),
+            attention_mask.softcap_mod(kwargs.get("softcap")),
+            scale=scaling,
+        )
+        return out[:, :, pad:].transpose(1, 2).contiguous(), None
+
+    return flexpage_attention
+
+
+def _make_mask(stock: str):
+    def flexpage_mask(*args: Any, **kwargs: Any):
+        # Paged forwards arrive with a ready PagedBlockMask and never get here.
+        return ALL_MASK_ATTENTION_FUNCTIONS[stock](*args, **kwargs)
+
+    return flexpage_mask
+
+
+def _register(stock: str) -> None:
+    name = FALLBACKS[stock]
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(name, _make_attention(stock))
+        AttentionMaskInterface.register(name, _make_mask(stock))

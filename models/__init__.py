@@ -1,0 +1,49 @@
+"""The model zoo: one transformers config per architecture and size, built with seeded random weights.
+
+``tiny`` configs keep the test suite fast; ``small`` ones (``llama-small`` is the benchmark
+default: ~57M parameters, hidden 512, 8 layers, 8 query / 2 KV heads, vocab 32000) are for
+benchmarks. Weights are never downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")
+DEFAULT_MODEL = "llama-small"
+
+
+def available() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+
+
+def load_config(name: str, **overrides) -> PretrainedConfig:
+    """The config named ``<architecture>-<size>`` (e.g. ``llama-tiny``), with ``overrides`` applied."""
+    path = CONFIG_DIR / f"{name}.json"
+    if not path.exists():
+        raise ValueError(f"unknown model {name!r}; available: {', '.join(available())}")
+    data = json.loads(path.read_text()) | overrides
+    return AutoConfig.for_model(data.pop("model_type"), **data)
+
+
+def build(
+    name: str = DEFAULT_MODEL,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = None,
+    **overrides,
+) -> PreTrainedModel:
+    """A causal LM from config ``name`` with seeded random weights, in eval mode.
+
+    ``attn_implementation`` defaults to sdpa where the architecture supports it, else eager.
+    """
+    config = load_config(name, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    return model.eval()
