@@ -1,0 +1,230 @@
+"""flexpage.wrap: generate() through the paged cache gives the stock model's tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, T5Config, T5ForConditionalGeneration
+
+import flexpage
+import models
+from flexpage import OutOfPagesError, PagedKVCache, UnsupportedModelError
+from flexpage import hf as flexpage_hf
+
+PROMPT_LENGTHS = (5, 37, 130)  # longer than the tiny sliding windows (32)
+VOCAB = 256
+
+
+def prompts(lengths=PROMPT_LENGTHS, seed=0):
+    """Left-padded token ids and attention mask, as a tokenizer with padding_side='left' gives."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, width - n :] = torch.randint(3, VOCAB, (n,), generator=g)
+        mask[i, width - n :] = 1
+    return ids, mask
+
+
+@pytest.fixture
+def paged_calls(monkeypatch):
+    """Counts calls of the paged attention kernel, to prove the paged path ran."""
+    calls = []
+    real = flexpage_hf.paged_attention
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(flexpage_hf, "paged_attention", counting)
+    return calls
+
+
+def greedy(model, ids, mask, **kwargs):
+    return model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=0, **kwargs)
+
+
+@pytest.mark.parametrize("arch", models.ARCHITECTURES)
+def test_greedy_generate_matches_stock(arch, paged_calls):
+    stock = models.build(f"{arch}-tiny")
+    paged = flexpage.wrap(models.build(f"{arch}-tiny"), page_size=16, max_cached_tokens=2048)
+    ids, mask = prompts()
+    forwards = 0
+    for rows in ([1], [0, 1, 2]):  # one 37-token prompt alone, then the left-padded batch
+        width = max(PROMPT_LENGTHS[r] for r in rows)
+        batch_ids, batch_mask = ids[rows, -width:], mask[rows, -width:]
+        expected = greedy(stock, batch_ids, batch_mask, max_new_tokens=40)
+        got = greedy(paged, batch_ids, batch_mask, max_new_tokens=40)
+        assert torch.equal(got, expected)
+        forwards += got.shape[1] - width  # one forward per generated token
+    assert len(paged_calls) == forwards * paged.config.num_hidden_layers  # every layer ran paged
+    assert paged._flexpage.cache.stats().pages_used == 0  # pages released when generate returns
+
+
+def test_sampling_eos_and_max_new_tokens_match_stock(paged_calls):
+    stock = models.build("llama-tiny")
+    paged = flexpage.wrap(models.build("llama-tiny"))
+    ids, mask = prompts()
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        expected = stock.generate(ids, attention_mask=mask, do_sample=True, top_k=20, temperature=0.9,
+                                  max_new_tokens=24, pad_token_id=0)
+        torch.manual_seed(seed)
+        got = paged.generate(ids, attention_mask=mask, do_sample=True, top_k=20, temperature=0.9,
+                             max_new_tokens=24, pad_token_id=0)
+        assert torch.equal(got, expected)
+    free_run = greedy(stock, ids, mask, max_new_tokens=30)
+    eos = int(free_run[0, ids.shape[1] + 6])  # a token row 0 produces mid-way
+    expected = greedy(stock, ids, mask, max_new_tokens=30, eos_token_id=eos)
+    got = greedy(paged, ids, mask, max_new_tokens=30, eos_token_id=eos)
+    assert torch.equal(got, expected) and got.shape[1] < free_run.shape[1] or (got[:, -1] == 0).any()
+    assert greedy(paged, ids, mask, max_new_tokens=7).shape[1] == ids.shape[1] + 7
+    assert paged_calls
+
+
+def test_saved_and_reloaded_model(tmp_path):
+    models.build("qwen2-tiny", seed=3).save_pretrained(tmp_path)
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    paged = flexpage.wrap(AutoModelForCausalLM.from_pretrained(tmp_path).eval())
+    ids, mask = prompts((12, 30))
+    assert torch.equal(greedy(paged, ids, mask, max_new_tokens=20), greedy(stock, ids, mask, max_new_tokens=20))
+
+
+@pytest.mark.parametrize("alias", ["cache", "past_key_values"])
+def test_explicit_cache_holds_exactly_the_live_tokens(alias):
+    model = flexpage.wrap(models.build("llama-tiny"))
+    stock = models.build("llama-tiny")
+    cache = PagedKVCache(model.config, page_size=16, num_pages=64, max_batch_size=4)
+    ids, mask = prompts()
+    new = 12
+    out = greedy(model, ids, mask, max_new_tokens=new, **{alias: cache})
+    assert torch.equal(out, greedy(stock, ids, mask, max_new_tokens=new))
+    stats = cache.stats()
+    # the prompts' real tokens and every generated token but the last (never fed back); no padding
+    assert stats.live_tokens == sum(PROMPT_LENGTHS) + len(PROMPT_LENGTHS) * (new - 1)
+    assert stats.pages_used == sum(-(-(n + new - 1) // 16) for n in PROMPT_LENGTHS)
+
+
+def test_out_of_pages_raises_before_overwriting_and_next_call_succeeds():
+    stock = models.build("llama-tiny")
+    model = flexpage.wrap(models.build("llama-tiny"))
+    cache = PagedKVCache(model.config, page_size=16, num_pages=4, max_batch_size=2)  # 64 tokens
+    ids, mask = prompts((60,))
+    with pytest.raises(OutOfPagesError):
+        greedy(model, ids, mask, max_new_tokens=10, cache=cache)
+    # the cache holds tokens 0..63 exactly as the stock model computed them: nothing overwritten
+    reference = stock(torch.cat([ids, greedy(stock, ids, mask, max_new_tokens=4)[:, 60:]], 1), use_cache=True)
+    row = cache.batch_rows[0]
+    for layer in range(model.config.num_hidden_layers):
+        keys, values = cache.gather(layer, row)
+        assert keys.shape[1] == 64
+        assert torch.allclose(keys, reference.cache.layers[layer].keys[0], atol=1e-4)
+        assert torch.allclose(values, reference.cache.layers[layer].values[0], atol=1e-4)
+    # through wrap: the failing call raises, releases its pages, and a fitting call then works
+    small = flexpage.wrap(models.build("llama-tiny"), max_cached_tokens=64)
+    with pytest.raises(OutOfPagesError):
+        greedy(small, ids, mask, max_new_tokens=10)
+    assert small._flexpage.cache.stats().pages_used == 0
+    ids2, mask2 = prompts((20,))
+    assert torch.equal(greedy(small, ids2, mask2, max_new_tokens=10), greedy(stock, ids2, mask2, max_new_tokens=10))
+
+
+def test_no_recompiles_for_2048_token_prompt_and_64_decode_steps():
+    from flexpage.benchmark import compiled_graphs
+
+    model = flexpage.wrap(models.build("llama-tiny"), max_cached_tokens=4096)
+    ids, mask = prompts((2048,))
+    first = greedy(model, ids, mask, max_new_tokens=64, min_new_tokens=64)  # warm-up: compiles prefill + decode
+    graphs = compiled_graphs()
+    ids2, mask2 = prompts((2048,), seed=1)
+    greedy(model, ids2, mask2, max_new_tokens=64, min_new_tokens=64)
+    assert compiled_graphs() == graphs
+    assert first.shape[1] == 2048 + 64
+
+
+def test_bfloat16_agrees_with_float32_stock():
+    """bf16 paged decoding, teacher-forced on float32 stock's greedy tokens, predicts the same next token
+    at >= 95% of positions (free-running bf16 would compound a single early flip into every later token)."""
+    stock = models.build("llama-tiny")
+    paged = flexpage.wrap(models.build("llama-tiny", dtype=torch.bfloat16))
+    cache = PagedKVCache(paged.config, page_size=16, num_pages=64, max_batch_size=4, dtype=torch.bfloat16)
+    ids, mask = prompts()
+    new = 40
+    expected = greedy(stock, ids, mask, max_new_tokens=new, min_new_tokens=new)[:, ids.shape[1]:]
+    predicted = []
+    step_ids, step_mask = ids, mask
+    with torch.no_grad():
+        for i in range(new):
+            positions = (step_mask.cumsum(-1) - 1).clamp_min(0)[:, -step_ids.shape[1]:]  # as generate() does
+            logits = paged(input_ids=step_ids, attention_mask=step_mask, position_ids=positions, cache=cache).logits[:, -1]
+            predicted.append(logits.argmax(-1))
+            step_ids = expected[:, i : i + 1]
+            step_mask = torch.cat([step_mask, torch.ones_like(step_ids)], 1)
+    agreement = (torch.stack(predicted, 1) == expected).float().mean().item()
+    assert cache.layers[0].keys.dtype == torch.bfloat16
+    assert cache.stats().live_tokens == sum(PROMPT_LENGTHS) + len(PROMPT_LENGTHS) * (new - 1)
+    assert agreement >= 0.95
+
+
+def test_plain_forward_while_wrapped_and_unwrap_restore_stock():
+    stock = models.build("gemma2-tiny")
+    model = flexpage.wrap(models.build("gemma2-tiny"))
+    ids, mask = prompts((40, 40))
+    expected = stock(ids, labels=ids)
+    got = model(ids, labels=ids)  # scoring while wrapped: no paged cache, the stock path
+    assert torch.equal(got.logits, expected.logits) and torch.equal(got.loss, expected.loss)
+    greedy(model, ids, mask, max_new_tokens=3)
+    assert torch.equal(model(ids, labels=ids).loss, expected.loss)
+    flexpage.unwrap(model)
+    assert model.config._attn_implementation == stock.config._attn_implementation
+    assert "generate" not in vars(model) and not model.base_model._forward_pre_hooks
+    assert torch.equal(greedy(model, ids, mask, max_new_tokens=5), greedy(stock, ids, mask, max_new_tokens=5))
+
+
+def test_cache_is_reused_and_released_over_100_calls():
+    model = flexpage.wrap(models.build("llama-tiny"), max_cached_tokens=1024)
+    cache = model._flexpage.cache
+    pointers = [layer.keys.data_ptr() for layer in cache.layers]
+    ids, mask = prompts((9, 3))
+    for _ in range(100):
+        greedy(model, ids, mask, max_new_tokens=3)
+        stats = cache.stats()
+        assert stats.pages_used == 0 and stats.live_tokens == 0 and cache.batch_rows == []
+    assert model._flexpage.cache is cache and [layer.keys.data_ptr() for layer in cache.layers] == pointers
+
+
+def test_device_map_keeps_each_layers_pools_on_its_device():
+    from accelerate import dispatch_model
+
+    stock = models.build("llama-tiny")
+    model = models.build("llama-tiny")
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "cpu",
+                  "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    model = flexpage.wrap(dispatch_model(model, device_map=device_map))
+    for i, layer in enumerate(model._flexpage.cache.layers):
+        assert layer.keys.device == model.model.layers[i].self_attn.q_proj.weight.device
+    ids, mask = prompts((7, 20))
+    assert torch.equal(greedy(model, ids, mask, max_new_tokens=8), greedy(stock, ids, mask, max_new_tokens=8))
+
+
+def test_unsupported_models_raise_naming_model_and_reason():
+    t5 = T5ForConditionalGeneration(T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, vocab_size=64))
+    with pytest.raises(UnsupportedModelError, match="T5ForConditionalGeneration.*encoder-decoder"):
+        flexpage.wrap(t5)
+    chunked = models.build("llama-tiny")
+    chunked.config.attention_chunk_size = 64
+    with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM.*attention_chunk_size"):
+        flexpage.wrap(chunked)
+    flex = models.build("llama-tiny", attn_implementation="flex_attention")
+    with pytest.raises(UnsupportedModelError, match="'flex_attention'"):
+        flexpage.wrap(flex)
+    assert flex.config._attn_implementation == "flex_attention" and "generate" not in vars(flex)
+
+
+def test_right_padding_is_rejected_and_leaves_cache_empty():
+    model = flexpage.wrap(models.build("llama-tiny"))
+    ids, mask = prompts((5, 9))
+    with pytest.raises(ValueError, match="left padding"):
+        greedy(model, ids.flip(1), mask.flip(1), max_new_tokens=2)
+    assert model._flexpage.cache.stats().pages_used == 0
