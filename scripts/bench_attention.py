@@ -1,7 +1,7 @@
 """Decode-attention micro-benchmark: paged FlexAttention vs contiguous SDPA / FlexAttention.
 
 For each batch size and live length L, one decode step's attention (small-Llama head shape:
-8 query heads, 2 KV heads, head_dim 64, page 16) is timed over a 4k-token and a 64k-token
+8 query heads, 2 KV heads, head_dim 64, page 16 unless --page-size) is timed over a 4k-token and a 64k-token
 pool, side by side with SDPA and compiled flex_attention on contiguous K/V of length L, plus
 the time to build the step's BlockMask. Writes CSV/JSON/PNG under --out.
 
@@ -26,10 +26,10 @@ from flexpage.benchmark import interleaved, machine_info, write_records
 HQ, HKV, HEAD_DIM, PAGE = 8, 2, 64, 16
 
 
-def decode_step(capacity: int, batch: int, length: int, seed: int = 0):
+def decode_step(capacity: int, batch: int, length: int, seed: int = 0, page_size: int = PAGE):
     """A cache of ``capacity`` tokens holding ``batch`` rows of ``length`` tokens, after planning one decode step."""
-    cache = flexpage.PagedKVCache(num_layers=1, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=PAGE,
-                                  num_pages=capacity // PAGE, max_batch_size=max(8, batch))
+    cache = flexpage.PagedKVCache(num_layers=1, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=page_size,
+                                  num_pages=capacity // page_size, max_batch_size=max(8, batch))
     free = list(cache.page_table.free_pages)
     random.Random(seed).shuffle(free)  # a fragmented pool
     cache.page_table.free_pages = type(cache.page_table.free_pages)(free)
@@ -50,6 +50,7 @@ def main() -> None:
     parser.add_argument("--capacities", type=int, nargs="+", default=[4096, 65536])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--page-size", type=int, default=PAGE)
     parser.add_argument("--quick", action="store_true", help="lengths 128 and 512, batch 1, 2 rounds")
     parser.add_argument("--out", default="results/attention")
     args = parser.parse_args()
@@ -65,7 +66,7 @@ def main() -> None:
         for capacity in args.capacities:
             if batch * length > capacity:
                 continue  # the pool cannot hold this batch
-            cache, plan, k, v = decode_step(capacity, batch, length)
+            cache, plan, k, v = decode_step(capacity, batch, length, page_size=args.page_size)
             kp, vp = cache.layers[0].keys, cache.layers[0].values
             pt = cache.page_table
             mask = flexpage.build_block_mask(pt, plan)
@@ -83,9 +84,9 @@ def main() -> None:
                 "capacity": capacity, "median_ms": round(timing.median_ms, 5), "remeasured": timing.remeasured,
                 "max_abs_err_vs_sdpa": errors.get(capacity) if name.startswith("paged") else None,
             })
-    meta = {"machine": machine_info(), "heads": [HQ, HKV], "head_dim": HEAD_DIM, "page_size": PAGE,
+    meta = {"machine": machine_info(), "heads": [HQ, HKV], "head_dim": HEAD_DIM, "page_size": args.page_size,
             "rounds": args.rounds, "repeats": args.repeats, "dtype": "float32"}
-    stem = os.path.join(args.out, "bench_attention")
+    stem = os.path.join(args.out, "bench_attention" if args.page_size == PAGE else f"bench_attention_page{args.page_size}")
     write_records(stem, records, meta)
     plot(records, stem + ".png")
     print_summary(records)
@@ -113,7 +114,9 @@ def plot(records: list[dict], path: str) -> None:
             ax.plot(*_series(records, batch, "mask_build", capacity), "x:", label=f"BlockMask build, {capacity // 1024}k pool")
         ax.plot(*_series(records, batch, "sdpa_contiguous"), "s--", label="SDPA, contiguous K/V")
         ax.plot(*_series(records, batch, "flex_contiguous"), "^--", label="flex_attention, contiguous K/V")
-        ax.set(xscale="log", xlabel="live length L (tokens)", ylabel="ms per decode step (one layer)",
+        ax.set_xscale("log", base=2)
+        ax.minorticks_off()
+        ax.set(xlabel="live length L (tokens)", ylabel="ms per decode step (one layer)",
                title=f"decode attention, batch {batch}")
         ax.set_xticks(sorted({r['length'] for r in records}), [str(x) for x in sorted({r['length'] for r in records})])
         ax.grid(alpha=0.3)

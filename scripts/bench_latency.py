@@ -235,7 +235,9 @@ def plot(records: list[dict], stem: str) -> None:
             if xs:  # the paper's claim: ~2x from the shortest to 2048 tokens, linear in between
                 ref = [ys[0] * (1 + (PAPER_GROWTH - 1) * (x - xs[0]) / max(1, 2048 - xs[0])) for x in xs]
                 ax.plot(xs, ref, ":", color="gray", label="paper: 2x from 128 to 2048")
-        ax.set(xscale="log", xlabel="context length (tokens)", ylabel=label, title=label)
+        ax.set_xscale("log", base=2)
+        ax.minorticks_off()
+        ax.set(xlabel="context length (tokens)", ylabel=label, title=label)
         ax.set_xticks(lengths, [str(x) for x in lengths])
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

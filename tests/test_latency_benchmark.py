@@ -1,0 +1,39 @@
+"""The latency benchmark's quick mode and the notebook that draws it run end to end (not timed)."""
+
+import json
+import math
+import os
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = {"flexpage", "stock_dynamic_sdpa", "stock_flex_attention", "stock_static", "stock_static_compiled",
+           "stock_no_cache"}
+COLUMNS = {"ttft_ms", "decode_ms_per_token", "e2e_ms", "peak_mem_mb", "recompiles", "kv_live_bytes",
+           "kv_reserved_bytes", "warmup_s"}
+
+
+def test_notebook_runs_quick_benchmark_and_draws_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEXPAGE_NOTEBOOK_QUICK", "1")
+    monkeypatch.setenv("FLEXPAGE_NOTEBOOK_OUT", str(tmp_path))
+    notebook = nbformat.read(ROOT / "notebooks" / "latency_vs_length.ipynb", as_version=4)
+    NotebookClient(notebook, timeout=900, kernel_name="python3",
+                   resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
+    images = [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if "image/png" in o.get("data", {})]
+    assert len(images) == 3
+
+    data = json.loads((tmp_path / "latency.json").read_text())
+    records = data["records"]
+    assert {r["config"] for r in records} == CONFIGS
+    assert {r["length"] for r in records} == {64, 256}
+    for r in records:
+        assert COLUMNS <= r.keys(), r
+        assert all(math.isfinite(r[c]) for c in COLUMNS), r
+    flexpage_rows = [r for r in records if r["config"] == "flexpage"]
+    assert all(r["recompiles"] == 0 and r["kv_reserved_bytes"] >= r["kv_live_bytes"] for r in flexpage_rows)
+    for suffix in ("csv", "json", "e2e_ms.png", "decode_ms_per_token.png", "peak_mem_mb.png"):
+        assert any(p.name.endswith(suffix) for p in tmp_path.iterdir()), suffix
+    assert os.path.getsize(tmp_path / "latency.csv") > 0
