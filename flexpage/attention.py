@@ -8,9 +8,18 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from .masks import ScoreMod
 
+def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa):
+    return flex_attention(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                          enable_gqa=enable_gqa)
+
+
 # One compile per static shape (batch, heads, q_len, pool): the pool never changes shape, so
-# decode at any context length reuses the same graph. Page tables arrive as tensor data.
-_compiled_flex_attention = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+# decode at any context length reuses the same graph; page tables arrive as tensor data.
+# Compiling our own function (not ``flex_attention`` itself) keeps dynamo's per-code-object
+# state apart from other compiled callers of flex_attention in the process (transformers'
+# "flex_attention" implementation): otherwise their shape changes turn on dynamic shapes
+# for both, which inductor's CPU template fails to compile.
+_compiled_flex_attention = torch.compile(_flex_attention, dynamic=False, fullgraph=True)
 # Each (batch, q_len, heads, pool, page size, mods) combination is its own static graph of
 # that one code object; dynamo's default limit of 8 graphs per code object is too few for a
 # process that serves several models or batch shapes, so we raise it (never lower it).
@@ -56,12 +65,4 @@ def paged_attention(
         raise ValueError(
             f"block_mask is for batch {block_mask.kv_num_blocks.shape[0]} but query has batch {query.shape[0]}"
         )
-    return _compiled_flex_attention(
-        query,
-        key_pool,
-        value_pool,
-        score_mod=score_mod,
-        block_mask=block_mask,
-        scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
-    )
+    return _compiled_flex_attention(query, key_pool, value_pool, score_mod, block_mask, scale, num_heads != num_kv_heads)
