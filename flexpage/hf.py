@@ -150,7 +150,7 @@ def new_token_counts(attention_mask: torch.Tensor | None, batch: int, q_len: int
     transformers pads batched prompts on the left; padding is never stored in pages, so a
     padding position after a real token (right padding) cannot be served and is rejected.
     """
-    if attention_mask is None:
+    if attention_mask is None or q_len == 1:  # a decode step feeds one real token per row
         return [q_len] * batch
     if attention_mask.dim() != 2:
         raise ValueError(f"a paged forward takes a 2-D padding mask, got shape {tuple(attention_mask.shape)}")
