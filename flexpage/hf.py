@@ -6,10 +6,12 @@ Only transformers' own extension points are used, and only on the model given:
   path is eager) is registered with ``AttentionInterface`` / ``AttentionMaskInterface``;
   when a forward carries no paged cache both hooks defer to the stock implementation, so
   scoring or training a wrapped model computes exactly what it did before;
-* a forward pre-hook on the model's decoder (an ``nn.Module`` hook on that instance) begins
-  the paged step when the forward's cache is a ``PagedKVCache``: it reserves pages, plans
-  slots and hands every layer one ``PagedBlockMask`` as its attention mask, built once;
-* ``generate`` is shadowed on the instance only, to pass the model's PagedKVCache.
+* a paged step (reserve pages, plan slots, build the one ``PagedBlockMask`` every layer gets
+  as its attention mask) begins before each forward whose cache is a ``PagedKVCache``: in
+  ``generate``, in ``prepare_inputs_for_generation`` (so the forward itself, compiled or not,
+  does no host-side bookkeeping); in direct forward calls, in a forward pre-hook on the
+  model's decoder (an ``nn.Module`` hook on that instance);
+* ``generate`` and ``prepare_inputs_for_generation`` are shadowed on the instance only.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.utils.hooks import RemovableHandle
-from transformers import PreTrainedModel
+from transformers import CompileConfig, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
@@ -47,6 +49,7 @@ class _Wrapped:
     cache: PagedKVCache
     stock_implementation: str
     hook: RemovableHandle
+    stock_compile_config: CompileConfig | None
 
 
 def wrap(
@@ -55,6 +58,7 @@ def wrap(
     max_cached_tokens: int = 32768,
     max_batch_size: int = 32,
     max_seq_len: int | None = None,
+    compile_decode: bool = False,
 ) -> PreTrainedModel:
     """Serve ``model.generate()`` from a paged KV cache of ``max_cached_tokens`` tokens.
 
@@ -62,6 +66,12 @@ def wrap(
     dtype) and reused by every ``generate`` call; a call's pages are released when it
     returns. ``max_seq_len`` caps one sequence (default: the whole pool). Returns the same
     model object. Raises ``UnsupportedModelError`` for models flexpage cannot serve exactly.
+
+    ``compile_decode=True`` lets ``generate`` compile the whole decode forward once (through
+    transformers' own ``CompileConfig``, on every device, with inductor's weight freezing):
+    the pools never change shape, so that one graph serves every context length. Compiled
+    matmuls round differently from eager ones, so greedy tokens match the stock model only
+    up to near-ties of the logits; the default path matches it exactly.
     """
     if getattr(model, "_flexpage", None) is not None:
         unwrap(model)
@@ -81,8 +91,15 @@ def wrap(
     _register(stock)
     model.set_attn_implementation(FALLBACKS[stock])
     hook = model.base_model.register_forward_pre_hook(_begin_paged_step, with_kwargs=True)
-    model._flexpage = _Wrapped(cache=cache, stock_implementation=stock, hook=hook)
+    model._flexpage = _Wrapped(cache, stock, hook, model.generation_config.compile_config)
+    if compile_decode:
+        for layer in cache.layers:
+            layer.is_compileable = True  # transformers compiles decode forwards only for such caches
+        config = CompileConfig(fullgraph=False, dynamic=False, mode=None, options={"freezing": True})
+        config._compile_all_devices = True  # transformers compiles on accelerators only, unless told
+        model.generation_config.compile_config = config
     model.generate = types.MethodType(_paged_generate, model)
+    model.prepare_inputs_for_generation = types.MethodType(_paged_prepare_inputs, model)
     return model
 
 
@@ -93,7 +110,8 @@ def unwrap(model: PreTrainedModel) -> PreTrainedModel:
         return model
     state.hook.remove()
     model.set_attn_implementation(state.stock_implementation)
-    del model.generate  # the class's generate shows through again
+    model.generation_config.compile_config = state.stock_compile_config
+    del model.generate, model.prepare_inputs_for_generation  # the class's methods show through again
     model._flexpage = None
     return model
 
@@ -167,18 +185,36 @@ def bucket(q_len: int) -> int:
     return 1 if q_len == 1 else max(16, 1 << (q_len - 1).bit_length())
 
 
+def paged_step_mask(cache: PagedKVCache, inputs: torch.Tensor, attention_mask: torch.Tensor | None) -> PagedBlockMask:
+    """Begin a forward's paged step (reserve pages, plan slots) and build the mask every layer gets."""
+    batch, q_len = inputs.shape[:2]
+    counts = new_token_counts(attention_mask, batch, q_len)
+    plan = cache.begin_batch_step(counts, bucket(q_len), positions=q_len)
+    return PagedBlockMask.for_step(cache.page_table, plan)
+
+
 def _begin_paged_step(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Forward pre-hook of the decoder: a forward whose cache is a PagedKVCache runs paged."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if not isinstance(cache, PagedKVCache):
-        return None  # not a paged call: the stock path runs untouched
+    if not isinstance(cache, PagedKVCache) or isinstance(kwargs.get("attention_mask"), PagedBlockMask):
+        return None  # not a paged call (the stock path runs untouched), or generate began the step already
     inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
     if inputs is None and args:
         inputs = args[0]
-    batch, q_len = inputs.shape[:2]
-    counts = new_token_counts(kwargs.get("attention_mask"), batch, q_len)
-    plan = cache.begin_batch_step(counts, bucket(q_len), positions=q_len)
-    kwargs["attention_mask"] = PagedBlockMask.for_step(cache.page_table, plan)
+    kwargs["attention_mask"] = paged_step_mask(cache, inputs, kwargs.get("attention_mask"))
     return args, kwargs
+
+
+def _paged_prepare_inputs(self: PreTrainedModel, *args: Any, **kwargs: Any) -> dict:
+    """``prepare_inputs_for_generation`` on a wrapped model: the step begins here, before the
+    forward, so a compiled decode forward contains no host-side page bookkeeping."""
+    inputs = type(self).prepare_inputs_for_generation(self, *args, **kwargs)
+    cache = inputs.get("cache", inputs.get("past_key_values"))
+    if isinstance(cache, PagedKVCache):
+        tokens = inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs.get("inputs_embeds")
+        # the generation-level 2-D padding mask (transformers may have expanded the forward's to 4-D)
+        inputs["attention_mask"] = paged_step_mask(cache, tokens, kwargs.get("attention_mask"))
+    return inputs
 
 
 def _make_attention(stock: str):

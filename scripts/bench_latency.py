@@ -6,7 +6,7 @@ inter-token time), end-to-end latency, peak extra process memory, KV bytes reser
 and recompiles during the timed calls. The first call of each configuration at each length
 is its warm-up (compiles) and is reported separately, never mixed into the latencies.
 
-Configurations: flexpage (wrap), stock dynamic cache (sdpa), stock attn_implementation=
+Configurations: flexpage (wrap), flexpage_compiled (wrap(compile_decode=True)), stock dynamic cache (sdpa), stock attn_implementation=
 "flex_attention", stock static cache (eager and torch.compile'd), stock use_cache=False
 (dropped at longer lengths once it exceeds --no-cache-budget seconds).
 
@@ -36,7 +36,7 @@ import flexpage  # noqa: E402
 import models  # noqa: E402
 from flexpage.benchmark import compiled_graphs, machine_info, matmul_probe_ms  # noqa: E402
 
-CONFIGS = ("flexpage", "stock_dynamic_sdpa", "stock_flex_attention", "stock_static", "stock_static_compiled",
+CONFIGS = ("flexpage", "flexpage_compiled", "stock_dynamic_sdpa", "stock_flex_attention", "stock_static", "stock_static_compiled",
            "stock_no_cache")
 PAPER_GROWTH = 2.0  # "Paged Attention Meets FlexAttention": ~2x latency from 128 to 2048 tokens
 
@@ -93,12 +93,15 @@ def build_configs(model_name: str, max_len: int, page_size: int):
     stock = models.build(model_name)
     per_token = kv_bytes_per_token(stock.config, 4)
     paged = flexpage.wrap(models.build(model_name), page_size=page_size, max_cached_tokens=max_len)
+    compiled_paged = flexpage.wrap(models.build(model_name), page_size=page_size, max_cached_tokens=max_len,
+                                   compile_decode=True)
     pool_bytes = sum(layer.keys.numel() * 2 * layer.keys.element_size() for layer in paged._flexpage.cache.layers)
     flex = models.build(model_name, attn_implementation="flex_attention")
     compiled = CompileConfig(fullgraph=False, dynamic=False)
     compiled._compile_all_devices = True  # transformers only auto-compiles on accelerators otherwise
     return {
         "flexpage": (paged, {}, lambda n: pool_bytes),
+        "flexpage_compiled": (compiled_paged, {}, lambda n: pool_bytes),
         "stock_dynamic_sdpa": (stock, {}, lambda n: n * per_token),
         "stock_flex_attention": (flex, {}, lambda n: n * per_token),
         "stock_static": (stock, {"cache_implementation": "static", "disable_compile": True}, lambda n: n * per_token),
@@ -152,7 +155,7 @@ def main() -> None:
                if k in args.configs}
     vocab = next(iter(configs.values()))[0].config.vocab_size
     per_token = kv_bytes_per_token(next(iter(configs.values()))[0].config, 4)
-    records, dropped = [], set()
+    records, dropped = [], {}  # configuration -> the length where it went over budget
     progress = tqdm(total=len(args.lengths) * len(configs) * (args.repeats + 1), desc="latency")
     for length in args.lengths:
         ids = torch.randint(3, vocab, (args.batch, length), generator=torch.Generator().manual_seed(length))
@@ -164,7 +167,7 @@ def main() -> None:
                 run_once(model, ids, args.new_tokens, extra)
                 warmup[name] = time.perf_counter() - start
                 if name == "stock_no_cache" and warmup[name] > args.no_cache_budget:
-                    dropped.add(name)
+                    dropped[name] = length
             progress.update(1)
         best_probe = matmul_probe_ms()
         for _ in range(args.repeats):  # interleaved: every configuration once per round
@@ -186,7 +189,8 @@ def main() -> None:
             record = {"config": name, "length": length, "batch": args.batch, "new_tokens": args.new_tokens,
                       "warmup_s": round(warmup.get(name, float("nan")), 3)}
             if not runs:
-                record["note"] = f"dropped: a call took over {args.no_cache_budget}s at a shorter length"
+                record["note"] = (f"dropped: its call at {dropped[name]} tokens took over {args.no_cache_budget}s, "
+                                  "so longer lengths are not timed")
                 records.append(record)
                 continue
             for key in ("ttft_ms", "decode_ms_per_token", "e2e_ms", "peak_mem_mb"):
@@ -199,7 +203,7 @@ def main() -> None:
     progress.close()
     meta = {"machine": machine_info(), "model": args.model, "batch": args.batch, "new_tokens": args.new_tokens,
             "repeats": args.repeats, "page_size": args.page_size, "dtype": "float32",
-            "dropped": sorted(dropped), "command": " ".join(sys.argv)}
+            "dropped": dropped, "command": " ".join(sys.argv)}
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, "latency")
     flexpage.benchmark.write_records(stem, records, meta)
@@ -250,19 +254,20 @@ def print_summary(records: list[dict]) -> None:
     by = {(r["config"], r["length"]): r for r in records}
     lengths = sorted({r["length"] for r in records})
     configs = list(dict.fromkeys(r["config"] for r in records))
-    print("decode ms/token (ratio flexpage / config):")
-    for length in lengths:
-        ours = by.get(("flexpage", length), {}).get("decode_ms_per_token")
-        cells = []
-        for config in configs:
-            value = by.get((config, length), {}).get("decode_ms_per_token")
-            ratio = f" ({ours / value:.2f}x)" if ours and value and config != "flexpage" else ""
-            cells.append(f"{config}={value if value is not None else '-'}{ratio}")
-        print(f"  L={length}: " + ", ".join(cells))
-    xs, ys = _series(records, "flexpage", "decode_ms_per_token")
-    if len(ys) > 1:
-        print(f"flexpage decode growth {xs[-1]}/{xs[0]}: {ys[-1] / ys[0]:.2f}x; recompiles after warm-up: "
-              f"{sum(by[('flexpage', x)]['recompiles'] for x in xs)}")
+    for ours in [c for c in configs if c.startswith("flexpage")]:
+        print(f"decode ms/token, and {ours} / each configuration:")
+        for length in lengths:
+            mine = by.get((ours, length), {}).get("decode_ms_per_token")
+            cells = []
+            for config in configs:
+                value = by.get((config, length), {}).get("decode_ms_per_token")
+                ratio = f" ({mine / value:.2f}x)" if mine and value and config != ours else ""
+                cells.append(f"{config}={value if value is not None else '-'}{ratio}")
+            print(f"  L={length}: " + ", ".join(cells))
+        xs, ys = _series(records, ours, "decode_ms_per_token")
+        if len(ys) > 1:
+            print(f"{ours} decode growth {xs[-1]}/{xs[0]}: {ys[-1] / ys[0]:.2f}x; recompiles after warm-up: "
+                  f"{sum(by[(ours, x)]['recompiles'] for x in xs)}")
 
 
 if __name__ == "__main__":

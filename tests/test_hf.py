@@ -178,7 +178,8 @@ def test_plain_forward_while_wrapped_and_unwrap_restore_stock():
     assert torch.equal(model(ids, labels=ids).loss, expected.loss)
     flexpage.unwrap(model)
     assert model.config._attn_implementation == stock.config._attn_implementation
-    assert "generate" not in vars(model) and not model.base_model._forward_pre_hooks
+    assert "generate" not in vars(model) and "prepare_inputs_for_generation" not in vars(model)
+    assert not model.base_model._forward_pre_hooks
     assert torch.equal(greedy(model, ids, mask, max_new_tokens=5), greedy(stock, ids, mask, max_new_tokens=5))
 
 
@@ -228,3 +229,48 @@ def test_right_padding_is_rejected_and_leaves_cache_empty():
     with pytest.raises(ValueError, match="left padding"):
         greedy(model, ids.flip(1), mask.flip(1), max_new_tokens=2)
     assert model._flexpage.cache.stats().pages_used == 0
+
+
+def test_beam_search_and_multiple_return_sequences_match_stock():
+    stock = models.build("llama-tiny")
+    paged = flexpage.wrap(models.build("llama-tiny"))
+    ids, mask = prompts((9, 21))
+    kwargs = dict(num_beams=4, num_return_sequences=2, max_new_tokens=12, early_stopping=True)
+    assert torch.equal(greedy(paged, ids, mask, **kwargs), greedy(stock, ids, mask, **kwargs))
+
+
+def test_cache_crop_select_and_repeat_keep_pages_consistent():
+    model = flexpage.wrap(models.build("llama-tiny"))
+    cache = PagedKVCache(model.config, page_size=16, num_pages=32, max_batch_size=8)
+    ids, mask = prompts((5, 20))
+    greedy(model, ids, mask, max_new_tokens=6, min_new_tokens=6, cache=cache)
+    lengths = [cache.seq_length(r) for r in cache.batch_rows]
+    assert lengths == [5 + 5, 20 + 5] and cache.get_seq_length() == 20 + 5
+    keys_before = cache.gather(0, cache.batch_rows[1])[0]
+    cache.crop(-3)
+    assert [cache.seq_length(r) for r in cache.batch_rows] == [7, 22] and cache.get_seq_length() == 22
+    assert torch.equal(cache.gather(0, cache.batch_rows[1])[0], keys_before[:, :22])
+    cache.batch_select_indices(torch.tensor([1]))
+    assert len(cache.batch_rows) == 1 and cache.stats().pages_used == 2  # 22 tokens, 16-token pages
+    cache.batch_repeat_interleave(3)
+    assert len(cache.batch_rows) == 3 and cache.stats().pages_used == 2  # forks share the pages
+    cache.reorder_cache(torch.tensor([2, 2, 0]))
+    assert cache.stats().pages_used == 2 and cache.stats().live_tokens == 22
+    cache.reset()
+    assert cache.stats().pages_used == 0 and cache.batch_rows == [] and cache.get_seq_length() == 0
+
+
+def test_compiled_decode_matches_stock_without_recompiles():
+    from flexpage.benchmark import compiled_graphs
+
+    stock = models.build("llama-tiny")
+    model = flexpage.wrap(models.build("llama-tiny"), compile_decode=True)
+    ids, mask = prompts((20, 37))
+    expected = greedy(stock, ids, mask, max_new_tokens=30)
+    assert torch.equal(greedy(model, ids, mask, max_new_tokens=30), expected)  # warm-up: compiles
+    graphs = compiled_graphs()
+    ids2, mask2 = prompts((3, 50), seed=4)
+    assert torch.equal(greedy(model, ids2, mask2, max_new_tokens=30), greedy(stock, ids2, mask2, max_new_tokens=30))
+    assert compiled_graphs() == graphs  # a new prompt length reuses the decode graph (prefill bucket 64 too)
+    flexpage.unwrap(model)
+    assert model.generation_config.compile_config is None
