@@ -44,7 +44,8 @@ class PagedLayer(CacheLayerMixin):
     The extra page at the end is the sink that absorbs padding writes; it is never attended.
     """
 
-    # Not for transformers' own static-cache auto-compile: flexpage compiles attention itself.
+    # transformers compiles decode forwards over caches whose layers are all compileable;
+    # flexpage opts a cache in per layer only for wrap(compile_decode=True).
     is_compileable = False
 
     def __init__(self, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):

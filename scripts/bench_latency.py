@@ -232,14 +232,16 @@ def plot(records: list[dict], stem: str) -> None:
         for config in configs:
             xs, ys = _series(records, config, key)
             if xs:
-                ax.plot(xs, ys, "o-" if config == "flexpage" else "s--", label=config,
-                        linewidth=2.5 if config == "flexpage" else 1.2)
+                ours = config.startswith("flexpage")
+                ax.plot(xs, ys, "o-" if ours else "s--", label=config, linewidth=2.5 if ours else 1.2)
         if key != "peak_mem_mb":
             xs, ys = _series(records, "flexpage", key)
             if xs:  # the paper's claim: ~2x from the shortest to 2048 tokens, linear in between
                 ref = [ys[0] * (1 + (PAPER_GROWTH - 1) * (x - xs[0]) / max(1, 2048 - xs[0])) for x in xs]
                 ax.plot(xs, ref, ":", color="gray", label="paper: 2x from 128 to 2048")
         ax.set_xscale("log", base=2)
+        if key != "peak_mem_mb":
+            ax.set_yscale("log")  # use_cache=False grows so fast that a linear axis flattens the rest
         ax.minorticks_off()
         ax.set(xlabel="context length (tokens)", ylabel=label, title=label)
         ax.set_xticks(lengths, [str(x) for x in lengths])
