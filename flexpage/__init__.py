@@ -1,7 +1,7 @@
 """flexpage: a global paged KV cache for PyTorch models, served through FlexAttention."""
 
 from . import masks
-from .attention import paged_attention
+from .attention import fresh_prefill_attention, paged_attention
 from .cache import CacheStats, PagedKVCache
 from .errors import FlexpageError, OutOfPagesError, UnsupportedModelError
 from .hf import unwrap, wrap
@@ -18,6 +18,7 @@ __all__ = [
     "StepPlan",
     "UnsupportedModelError",
     "build_block_mask",
+    "fresh_prefill_attention",
     "masks",
     "paged_attention",
     "paged_mask_mod",

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from .masks import ScoreMod
+from .pages import StepPlan
 
 def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa):
     return flex_attention(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
@@ -66,3 +68,37 @@ def paged_attention(
             f"block_mask is for batch {block_mask.kv_num_blocks.shape[0]} but query has batch {query.shape[0]}"
         )
     return _compiled_flex_attention(query, key_pool, value_pool, score_mod, block_mask, scale, num_heads != num_kv_heads)
+
+
+def fresh_prefill_attention(
+    query: Tensor,
+    key_pool: Tensor,
+    value_pool: Tensor,
+    plan: StepPlan,
+    window: int | None = None,
+    scale: float | None = None,
+) -> Tensor:
+    """Causal attention of a prefill from an empty cache, by SDPA over the step's own K/V.
+
+    With no earlier tokens, a prefill's keys are exactly the ones it just wrote, so they are
+    gathered back from their slots into one contiguous block and attended with SDPA, whose
+    CPU kernel is faster than FlexAttention over page-sized KV blocks for long prompts.
+    ``query`` is ``[B, Hq, q, D]`` with its tokens in the plan's last ``q`` columns (left
+    padding); ``window`` restricts to a causal sliding window. Padding queries see only
+    themselves (their outputs are never used; this keeps them finite).
+    """
+    if not plan.fresh:
+        raise ValueError("fresh_prefill_attention needs a step whose rows held no tokens before it")
+    q = query.shape[2]
+    slots = plan.slots[:, plan.q_len - q :]  # [B, q]
+    keys = key_pool[0][:, slots].transpose(0, 1)  # [B, Hkv, q, D]
+    values = value_pool[0][:, slots].transpose(0, 1)
+    i = torch.arange(q, device=query.device)
+    real_key = i[None, :] >= q - plan.kv_lens.to(query.device)[:, None]  # [B, q]: not padding
+    allowed = (i[:, None] >= i[None, :]) & real_key[:, None, :]  # causal, over real keys
+    if window is not None:
+        allowed &= i[:, None] - i[None, :] < window
+    allowed |= torch.eye(q, dtype=torch.bool, device=query.device)
+    return F.scaled_dot_product_attention(
+        query, keys, values, attn_mask=allowed[:, None], scale=scale, enable_gqa=query.shape[1] != keys.shape[1]
+    )

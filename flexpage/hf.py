@@ -28,7 +28,7 @@ from transformers import CompileConfig, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from .attention import paged_attention
+from .attention import fresh_prefill_attention, paged_attention
 from .cache import PagedKVCache
 from .errors import UnsupportedModelError
 from .masks import PagedBlockMask
@@ -237,13 +237,17 @@ def _make_attention(stock: str):
             if kwargs.get(name) is not None:
                 raise UnsupportedModelError(f"{type(module).__name__}: attention sinks ({name}) are not supported")
         plan = attention_mask.plan
+        window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+        if plan.fresh and plan.q_len > 1 and softcap is None:
+            out = fresh_prefill_attention(query, key, value, plan, window, scale=scaling)
+            return out.transpose(1, 2).contiguous(), None
         pad = plan.q_len - query.shape[2]
         out = paged_attention(
             F.pad(query, (0, 0, pad, 0)) if pad else query,
             key,
             value,
-            attention_mask.with_window(kwargs.get("sliding_window")),
-            attention_mask.softcap_mod(kwargs.get("softcap")),
+            attention_mask.with_window(window),
+            attention_mask.softcap_mod(softcap),
             scale=scaling,
         )
         return out[:, :, pad:].transpose(1, 2).contiguous(), None

@@ -36,6 +36,7 @@ class StepPlan:
     slots: torch.Tensor  # [B, q_len] int64, pool slot of each query token
     q_len: int
     max_new: int  # the longest row's new tokens: only the last ``max_new`` columns are ever real
+    fresh: bool  # no row held tokens before this step (a prefill from scratch)
 
 
 class PageTable:
@@ -234,8 +235,9 @@ class PageTable:
         pos = positions.clamp_min(0)
         pages = self.table[rows_t].gather(1, (pos // self.page_size).long()).long()
         slots = torch.where(real, pages * self.page_size + (pos % self.page_size), self.sink_slot)
+        fresh = all(self.seq_lens[r] == n for r, n in zip(rows, new_tokens))
         return StepPlan(rows=rows_t, q_start=q_start, kv_lens=kv_lens, slots=slots, q_len=q_len,
-                        max_new=max(new_tokens, default=0))
+                        max_new=max(new_tokens, default=0), fresh=fresh)
 
     # ------------------------------------------------------------------ internals
     def _pages(self, row: int) -> list[int]:

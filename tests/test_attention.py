@@ -168,3 +168,25 @@ def test_no_recompiles_across_decode_lengths_1_to_2048():
     assert cache.seq_length(rows[0]) == 2048
     assert counters["stats"]["unique_graphs"] == graphs
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_fresh_prefill_attention_matches_sdpa(window):
+    cache = make_cache(16, 40, 2, HEAD_DIM)
+    for row in ROWS:
+        cache.add_sequence(row)
+    lengths = [5, 37, 130]
+    keys = [torch.randn(2, n, HEAD_DIM) for n in lengths]
+    values = [torch.randn(2, n, HEAD_DIM) for n in lengths]
+    plan, (kp, vp) = write_step(cache, ROWS, keys, values, q_len=256)  # a bucketed plan
+    assert plan.fresh
+    query = torch.randn(3, 8, 130, HEAD_DIM)  # the forward's 130 positions are the plan's last ones
+    out = flexpage.fresh_prefill_attention(query, kp, vp, plan, window)
+    mod = masks.sliding_window(window) if window else None
+    for b, n in enumerate(lengths):
+        ref = reference_attention(query[b, :, 130 - n :], keys[b], values[b], torch.arange(n), b, mod)
+        assert (out[b, :, 130 - n :] - ref).abs().max() <= 1e-5
+    assert torch.isfinite(out).all()  # padding queries too
+    plan, _ = write_step(cache, ROWS, [k[:, :1] for k in keys], [v[:, :1] for v in values])
+    with pytest.raises(ValueError, match="no tokens before"):
+        flexpage.fresh_prefill_attention(query[:, :, :1], kp, vp, plan)

@@ -29,15 +29,17 @@ def prompts(lengths=PROMPT_LENGTHS, seed=0):
 
 @pytest.fixture
 def paged_calls(monkeypatch):
-    """Counts calls of the paged attention kernel, to prove the paged path ran."""
+    """Counts calls of flexpage's attention kernels (paged, and SDPA for prefills from scratch),
+    to prove the paged path ran."""
     calls = []
-    real = flexpage_hf.paged_attention
+    for name in ("paged_attention", "fresh_prefill_attention"):
+        real = getattr(flexpage_hf, name)
 
-    def counting(*args, **kwargs):
-        calls.append(args[0].shape)
-        return real(*args, **kwargs)
+        def counting(*args, _real=real, **kwargs):
+            calls.append(args[0].shape)
+            return _real(*args, **kwargs)
 
-    monkeypatch.setattr(flexpage_hf, "paged_attention", counting)
+        monkeypatch.setattr(flexpage_hf, name, counting)
     return calls
 
 
