@@ -58,7 +58,7 @@ MAX_NEW = {"decode": 1, "prefill": 150, "chunked": 40}
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
-def run_case(mode, page_size, mod, dtype, hq, hkv, contexts, news, seed, placement_seed=None):
+def run_case(mode, page_size, mod, dtype, hq, hkv, contexts, news, seed, placement_seed=None, scale=None):
     """Write random contexts, then run one step of ``news[b]`` new tokens; return (out, reference) rows.
 
     ``seed`` draws the tensors, ``placement_seed`` (default: ``seed``) the shuffle of the pool.
@@ -82,11 +82,11 @@ def run_case(mode, page_size, mod, dtype, hq, hkv, contexts, news, seed, placeme
     block_mask = flexpage.build_block_mask(cache.page_table, plan, mask_mod)
     assert block_mask.BLOCK_SIZE[1] == page_size  # a KV block never spans two pages
     paged_score = flexpage.paged_score_mod(cache.page_table, plan, score_mod) if score_mod else None
-    out = flexpage.paged_attention(query, k_pool, v_pool, block_mask, paged_score)
+    out = flexpage.paged_attention(query, k_pool, v_pool, block_mask, paged_score, scale=scale)
     results = []
     for b, (c, n) in enumerate(zip(contexts, news)):
         q_pos = torch.arange(c, c + n)
-        ref = reference_attention(query[b, :, q_len - n :], keys[b], values[b], q_pos, b, mask_mod, score_mod)
+        ref = reference_attention(query[b, :, q_len - n :], keys[b], values[b], q_pos, b, mask_mod, score_mod, scale)
         results.append((out[b, :, q_len - n :].float(), ref.float()))
     return results
 
@@ -121,6 +121,11 @@ def test_results_do_not_depend_on_where_pages_land():
                      for placement in (1, 2))
     for (out_a, _), (out_b, _) in zip(first, second):
         assert torch.equal(out_a, out_b)
+
+
+def test_custom_scale():
+    for out, ref in run_case("decode", 16, "softcap", torch.float32, 8, 2, [40, 1, 133], [1, 1, 1], 3, scale=0.7):
+        assert (out - ref).abs().max() <= 1e-5
 
 
 def test_unwritten_slots_of_last_page_are_never_read():
