@@ -142,9 +142,7 @@ class PagedKVCache(Cache):
 
         All or nothing: on ``OutOfPagesError`` no page, length or K/V byte has changed.
         """
-        for row in rows:
-            self.page_table.pages_of(row)  # raises ValueError for an unused row
-        copies = self.page_table.extend(rows, new_tokens)
+        copies = self.page_table.extend(rows, new_tokens)  # ValueError for an unused row
         for src, dst in copies:
             for layer in self.layers:
                 layer.copy_page(src, dst, self.page_size)

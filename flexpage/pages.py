@@ -182,6 +182,7 @@ class PageTable:
             raise ValueError(f"rows must be distinct, got {list(rows)}")
         needed = 0
         for row, n in zip(rows, num_tokens):
+            self._pages(row)  # ValueError for a row holding no sequence
             if n < 0:
                 raise ValueError(f"num_tokens must be >= 0, got {n} for row {row}")
             total_pages = cdiv(self.seq_lens[row] + n, self.page_size)
