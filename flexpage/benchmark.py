@@ -10,14 +10,15 @@ from __future__ import annotations
 import json
 import os
 import platform
-import resource
 import statistics
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from transformers import LogitsProcessor
 
 
 def matmul_probe_ms(size: int = 256, repeats: int = 5) -> float:
@@ -89,9 +90,46 @@ def compiled_graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def peak_rss_mb() -> float:
-    """Peak resident memory of this process so far."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+class TokenClock(LogitsProcessor):
+    """Timestamps each generated token (logits processors run once per new token)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+class PeakRSS:
+    """Samples the process's resident memory in a thread; ``peak_mb`` is the high-water mark above the start."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        self.interval, self.peak, self._stop = interval, 0, threading.Event()
+
+    @staticmethod
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def __enter__(self):
+        self.start = self.peak = self.rss()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, self.rss())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.rss())
+
+    @property
+    def peak_mb(self) -> float:
+        return (self.peak - self.start) / 2**20
 
 
 def machine_info() -> dict:
@@ -123,5 +161,5 @@ def write_records(path_stem: str, records: list[dict], meta: dict) -> None:
         json.dump({"meta": meta, "records": records}, f, indent=2, default=str)
 
 
-__all__ = ["Timing", "compiled_graphs", "interleaved", "machine_info", "matmul_probe_ms", "peak_rss_mb",
+__all__ = ["PeakRSS", "Timing", "TokenClock", "compiled_graphs", "interleaved", "machine_info", "matmul_probe_ms",
            "time_ms", "write_records"]

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from .pages import PageTable, StepPlan, cdiv
+from .pages import PageTable, StepPlan
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]

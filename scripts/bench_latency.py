@@ -18,69 +18,25 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import CompileConfig, LogitsProcessor, LogitsProcessorList
+from transformers import CompileConfig, LogitsProcessorList
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for models/
 
 import flexpage  # noqa: E402
 import models  # noqa: E402
-from flexpage.benchmark import compiled_graphs, machine_info, matmul_probe_ms  # noqa: E402
+from flexpage.benchmark import PeakRSS, TokenClock, compiled_graphs, machine_info, matmul_probe_ms  # noqa: E402
 
 CONFIGS = ("flexpage", "flexpage_compiled", "stock_dynamic_sdpa", "stock_flex_attention", "stock_static", "stock_static_compiled",
            "stock_no_cache")
 PAPER_GROWTH = 2.0  # "Paged Attention Meets FlexAttention": ~2x latency from 128 to 2048 tokens
-
-
-class TokenClock(LogitsProcessor):
-    """Timestamps each generated token (logits processors run once per new token)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def __call__(self, input_ids, scores):
-        self.times.append(time.perf_counter())
-        return scores
-
-
-class PeakRSS:
-    """Samples the process's resident memory in a thread; ``peak_mb`` is the high-water mark above the start."""
-
-    def __init__(self, interval: float = 0.002) -> None:
-        self.interval, self.peak, self._stop = interval, 0, threading.Event()
-
-    @staticmethod
-    def rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def __enter__(self):
-        self.start = self.peak = self.rss()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, self.rss())
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.rss())
-
-    @property
-    def peak_mb(self) -> float:
-        return (self.peak - self.start) / 2**20
 
 
 def kv_bytes_per_token(config, dtype_bytes: int) -> int:
