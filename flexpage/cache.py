@@ -194,25 +194,20 @@ class PagedKVCache(Cache):
         The first step of a batch claims its rows; ``positions`` is the forward's length along
         the padded time axis (what ``get_seq_length`` reports). All or nothing, as ``begin_step``.
         """
-        claimed = []
-        if not self.batch_rows:
-            try:
-                claimed = [self.add_sequence() for _ in new_tokens]
-            except Exception:
-                for row in claimed:
-                    self.free_sequence(row)
-                raise
-            self.batch_rows = claimed
-        elif len(self.batch_rows) != len(new_tokens):
+        if self.batch_rows and len(self.batch_rows) != len(new_tokens):
             raise ValueError(f"batch of {len(new_tokens)} rows, but this cache holds a batch of {len(self.batch_rows)}")
+        claimed: list[int] = []
         try:
-            plan = self.begin_step(self.batch_rows, new_tokens, q_len)
+            if not self.batch_rows:
+                for _ in new_tokens:
+                    claimed.append(self.add_sequence())
+            plan = self.begin_step(claimed or self.batch_rows, new_tokens, q_len)
         except Exception:
-            for row in claimed:
+            for row in claimed:  # rows this call claimed go back; earlier state is untouched
                 self.free_sequence(row)
-            if claimed:
-                self.batch_rows = []
             raise
+        if claimed:
+            self.batch_rows = claimed
         self.seen_tokens += positions
         return plan
 

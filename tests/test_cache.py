@@ -121,3 +121,12 @@ def test_paged_attention_rejects_mismatched_inputs():
     for query, match in cases:
         with pytest.raises(ValueError, match=match):
             flexpage.paged_attention(query, kp, vp, bm)
+
+
+def test_batch_step_that_cannot_claim_rows_leaks_none():
+    cache = flexpage.PagedKVCache(num_layers=1, num_kv_heads=2, head_dim=D, page_size=16, num_pages=8,
+                                  max_batch_size=2)
+    cache.add_sequence()  # 1 of 2 rows taken: a batch of 2 cannot get rows
+    with pytest.raises(OutOfPagesError, match="rows are in use"):
+        cache.begin_batch_step([3, 3], q_len=3, positions=3)
+    assert cache.page_table.active_rows == [0] and cache.batch_rows == [] and cache.get_seq_length() == 0
