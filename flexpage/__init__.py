@@ -1,17 +1,19 @@
 """flexpage: a global paged KV cache for PyTorch models, served through FlexAttention."""
 
 from . import masks
-from .attention import fresh_prefill_attention, paged_attention
+from .attention import fresh_prefill_attention, packed_attention, paged_attention
 from .cache import CacheStats, PagedKVCache
 from .errors import FlexpageError, OutOfPagesError, UnsupportedModelError
 from .hf import unwrap, wrap
-from .masks import PagedBlockMask, build_block_mask, paged_mask_mod, paged_score_mod
-from .pages import PageTable, StepPlan
+from .masks import PackedBlockMask, PagedBlockMask, build_block_mask, paged_mask_mod, paged_score_mod
+from .pages import PackedPlan, PageTable, StepPlan
 
 __all__ = [
     "CacheStats",
     "FlexpageError",
     "OutOfPagesError",
+    "PackedBlockMask",
+    "PackedPlan",
     "PageTable",
     "PagedBlockMask",
     "PagedKVCache",
@@ -20,6 +22,7 @@ __all__ = [
     "build_block_mask",
     "fresh_prefill_attention",
     "masks",
+    "packed_attention",
     "paged_attention",
     "paged_mask_mod",
     "paged_score_mod",

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from .masks import ScoreMod
+from .masks import PackedBlockMask, ScoreMod
 from .pages import StepPlan
 
 def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa):
@@ -102,3 +102,29 @@ def fresh_prefill_attention(
     return F.scaled_dot_product_attention(
         query, keys, values, attn_mask=allowed[:, None], scale=scale, enable_gqa=query.shape[1] != keys.shape[1]
     )
+
+
+def packed_attention(
+    query: Tensor,
+    key_pool: Tensor,
+    value_pool: Tensor,
+    block_mask: PackedBlockMask,
+    window: int | None = None,
+    cap: float | None = None,
+    scale: float | None = None,
+) -> Tensor:
+    """Attention of a ragged step's packed ``query`` ``[1, Hq, T, D]`` over the pools.
+
+    Each region of the step (decode tokens, prefill chunks) is one compiled FlexAttention
+    call with its own query-block size; ``window`` and ``cap`` select the layer's variant
+    (sliding window, logit soft-cap). Returns ``[1, Hq, T, Dv]``.
+    """
+    if query.shape[0] != 1 or query.dim() != 4 or query.shape[2] != block_mask.plan.q_len:
+        raise ValueError(
+            f"a packed step takes a query of shape (1, heads, {block_mask.plan.q_len}, dim), got {tuple(query.shape)}"
+        )
+    outputs = [
+        paged_attention(query[:, :, start:end], key_pool, value_pool, region_mask, score_mod, scale)
+        for start, end, region_mask, score_mod in block_mask.regions(window, cap)
+    ]
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)

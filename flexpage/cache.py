@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .pages import PageTable, StepPlan
+from .pages import PackedPlan, PageTable, StepPlan, check_packed_layout
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -129,7 +129,7 @@ class PagedKVCache(Cache):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        self.step: StepPlan | None = None
+        self.step: StepPlan | PackedPlan | None = None
         self._written: set[int] = set()  # layers already written in this step
         # transformers' view: the page-table rows its batch index refers to, and how many
         # positions (padding included) its forwards have fed along the time axis.
@@ -142,13 +142,34 @@ class PagedKVCache(Cache):
 
         All or nothing: on ``OutOfPagesError`` no page, length or K/V byte has changed.
         """
+        self._extend(rows, new_tokens)
+        self.step = self.page_table.plan(rows, new_tokens, q_len)
+        return self.step
+
+    def begin_packed_step(
+        self,
+        decode_rows: Sequence[int],
+        chunks: Sequence[tuple[int, int]],
+        decode_len: int,
+        chunk_len: int,
+        chunk_block: int = 16,
+    ) -> PackedPlan:
+        """Reserve room for a ragged step: one token for each of ``decode_rows`` and
+        ``(row, num_tokens)`` prefill chunks, packed as ``PageTable.plan_packed`` describes.
+
+        All or nothing, as ``begin_step``.
+        """
+        check_packed_layout(len(decode_rows), [n for _, n in chunks], decode_len, chunk_len, chunk_block)
+        self._extend(list(decode_rows) + [row for row, _ in chunks], [1] * len(decode_rows) + [n for _, n in chunks])
+        self.step = self.page_table.plan_packed(decode_rows, chunks, decode_len, chunk_len, chunk_block)
+        return self.step
+
+    def _extend(self, rows: Sequence[int], new_tokens: Sequence[int]) -> None:
         copies = self.page_table.extend(rows, new_tokens)  # ValueError for an unused row
         for src, dst in copies:
             for layer in self.layers:
                 layer.copy_page(src, dst, self.page_size)
-        self.step = self.page_table.plan(rows, new_tokens, q_len)
         self._written = set()
-        return self.step
 
     def update(
         self,
@@ -172,14 +193,15 @@ class PagedKVCache(Cache):
             )
         layer = self.layers[layer_idx]
         q = key_states.shape[2] if key_states.dim() == 4 else -1
-        expected = (len(step.rows), self.num_kv_heads, q, self.head_dim)
+        batch = step.slots.shape[0]
+        expected = (batch, self.num_kv_heads, q, self.head_dim)
         if (
             tuple(key_states.shape) != expected
             or tuple(value_states.shape) != expected
             or not step.max_new <= q <= step.q_len
         ):
             raise ValueError(
-                f"key/value states must have shape (batch={len(step.rows)}, kv_heads={self.num_kv_heads}, "
+                f"key/value states must have shape (batch={batch}, kv_heads={self.num_kv_heads}, "
                 f"q in [{step.max_new}, {step.q_len}], head_dim={self.head_dim}), "
                 f"got {tuple(key_states.shape)} and {tuple(value_states.shape)}"
             )

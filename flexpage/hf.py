@@ -28,10 +28,10 @@ from transformers import CompileConfig, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from .attention import fresh_prefill_attention, paged_attention
+from .attention import fresh_prefill_attention, packed_attention, paged_attention
 from .cache import PagedKVCache
 from .errors import UnsupportedModelError
-from .masks import PagedBlockMask
+from .masks import PackedBlockMask, PagedBlockMask
 from .pages import cdiv
 
 FALLBACKS = {"sdpa": "flexpage", "eager": "flexpage_eager"}  # stock implementation -> our name
@@ -196,7 +196,7 @@ def paged_step_mask(cache: PagedKVCache, inputs: torch.Tensor, attention_mask: t
 def _begin_paged_step(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """Forward pre-hook of the decoder: a forward whose cache is a PagedKVCache runs paged."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if not isinstance(cache, PagedKVCache) or isinstance(kwargs.get("attention_mask"), PagedBlockMask):
+    if not isinstance(cache, PagedKVCache) or isinstance(kwargs.get("attention_mask"), (PagedBlockMask, PackedBlockMask)):
         return None  # not a paged call (the stock path runs untouched), or generate began the step already
     inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
     if inputs is None and args:
@@ -228,7 +228,7 @@ def _make_attention(stock: str):
         scaling: float | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
-        if not isinstance(attention_mask, PagedBlockMask):
+        if not isinstance(attention_mask, (PagedBlockMask, PackedBlockMask)):
             fallback = ALL_ATTENTION_FUNCTIONS.get(stock) or sys.modules[type(module).__module__].eager_attention_forward
             return fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         if dropout:
@@ -236,8 +236,11 @@ def _make_attention(stock: str):
         for name in ("s_aux", "sinks"):
             if kwargs.get(name) is not None:
                 raise UnsupportedModelError(f"{type(module).__name__}: attention sinks ({name}) are not supported")
-        plan = attention_mask.plan
         window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+        if isinstance(attention_mask, PackedBlockMask):
+            out = packed_attention(query, key, value, attention_mask, window, softcap, scale=scaling)
+            return out.transpose(1, 2).contiguous(), None
+        plan = attention_mask.plan
         if plan.fresh and plan.q_len > 1 and softcap is None:
             out = fresh_prefill_attention(query, key, value, plan, window, scale=scaling)
             return out.transpose(1, 2).contiguous(), None

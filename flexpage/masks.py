@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from .pages import PageTable, StepPlan
+from .pages import PackedPlan, PageTable, StepPlan
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -124,6 +124,33 @@ def paged_score_mod(page_table: PageTable, plan: StepPlan, score_mod: ScoreMod) 
         return score_mod(score, b, h, q_start[b] + q_idx, logical_kv)
 
     return paged_score
+
+
+def packed_mask_mod(
+    page_table: PageTable, tok_rows: Tensor, tok_pos: Tensor, mask_mod: MaskMod | None = None
+) -> MaskMod:
+    """Physical-slot mask for packed query tokens: token ``q_idx`` belongs to row
+    ``tok_rows[q_idx]`` at logical position ``tok_pos[q_idx]`` (-1: padding, sees nothing).
+    ``mask_mod`` (default ``causal``) gets the row as ``b`` and logical positions."""
+    mask_mod = causal if mask_mod is None else mask_mod
+
+    def packed_mask(b, h, q_idx, kv_idx):
+        row, pos = tok_rows[q_idx], tok_pos[q_idx]
+        logical_page, logical_kv = _logical_kv(page_table, kv_idx)
+        written = (logical_page >= 0) & (logical_kv < page_table.lens[row]) & (pos >= 0)
+        return written & mask_mod(row, h, pos, logical_kv)
+
+    return packed_mask
+
+
+def packed_score_mod(page_table: PageTable, tok_rows: Tensor, tok_pos: Tensor, score_mod: ScoreMod) -> ScoreMod:
+    """Physical-slot version of a logical ``score_mod`` for packed query tokens."""
+
+    def packed_score(score, b, h, q_idx, kv_idx):
+        _, logical_kv = _logical_kv(page_table, kv_idx)
+        return score_mod(score, tok_rows[q_idx], h, tok_pos[q_idx], logical_kv)
+
+    return packed_score
 
 
 def build_block_mask(
@@ -262,4 +289,96 @@ def _block_metadata(
         kv_indices,
         full.to(torch.int32)[:, None],
         full_indices.contiguous(),
+    )
+
+
+class PackedBlockMask(BlockMask):
+    """The BlockMask of a ragged (packed) step: one query row holding many sequences' tokens.
+
+    The step has two regions with different query-block sizes, each with its own block
+    metadata built from the page table: decode tokens (blocks of one token, each listing
+    its own row's pages) and prefill chunks (blocks of ``chunk_block`` tokens of one row).
+    The object itself is the first region's BlockMask (so transformers passes it through
+    as a ready 4-D mask); ``regions`` gives every region, for a layer's variant.
+    """
+
+    page_table: PageTable
+    plan: PackedPlan
+
+    @classmethod
+    def for_step(cls, page_table: PageTable, plan: PackedPlan) -> "PackedBlockMask":
+        regions = _packed_regions(page_table, plan, None)
+        first = regions[0]
+        mask = cls.from_kv_blocks(
+            first[2].kv_num_blocks, first[2].kv_indices, first[2].full_kv_num_blocks, first[2].full_kv_indices,
+            BLOCK_SIZE=first[2].BLOCK_SIZE, mask_mod=first[2].mask_mod, seq_lengths=first[2].seq_lengths,
+            compute_q_blocks=False,
+        )
+        mask.page_table, mask.plan, mask._variants = page_table, plan, {(None, None): regions}
+        return mask
+
+    def regions(self, window: int | None = None, cap: float | None = None) -> list[tuple[int, int, BlockMask, ScoreMod | None]]:
+        """``(start, end, block_mask, score_mod)`` per region, for a causal mask restricted to a
+        sliding ``window`` and scores soft-capped at ``cap`` (either may be None). Built once per
+        step and variant, shared by every layer that asks."""
+        key = (window, cap)
+        if key not in self._variants:
+            self._variants[key] = _packed_regions(self.page_table, self.plan, window, cap)
+        return self._variants[key]
+
+
+def _packed_regions(page_table: PageTable, plan: PackedPlan, window: int | None, cap: float | None = None):
+    mask_mod = None if window is None else sliding_window(window)
+    regions = []
+    for start, end, q_block in ((0, plan.decode_len, 1), (plan.decode_len, plan.q_len, plan.chunk_block)):
+        if start == end:
+            continue
+        rows, pos = plan.tok_rows[start:end], plan.tok_pos[start:end]
+        blocks = pos.view(-1, q_block)
+        kv_num, kv_indices, full_num, full_indices = _region_metadata(
+            page_table, rows[::q_block], blocks[:, 0], blocks.amax(-1), window
+        )
+        block_mask = BlockMask.from_kv_blocks(
+            kv_num, kv_indices, full_num, full_indices,
+            BLOCK_SIZE=(q_block, page_table.page_size),
+            mask_mod=packed_mask_mod(page_table, rows, pos, mask_mod),
+            seq_lengths=(end - start, (page_table.num_pages + 1) * page_table.page_size),
+            compute_q_blocks=False,
+        )
+        score_mod = None if cap is None else packed_score_mod(page_table, rows, pos, softcap(cap))
+        regions.append((start, end, block_mask, score_mod))
+    return regions
+
+
+def _region_metadata(
+    page_table: PageTable, rows: Tensor, first: Tensor, last: Tensor, window: int | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Block metadata for query blocks that each belong to one row (``rows[i]``) and hold
+    logical positions ``first[i]..last[i]`` (``last < 0``: a padding block, lists nothing).
+
+    Causal: pages wholly before ``first`` are full blocks, the rest up to ``last``'s page
+    partial. With a ``window`` every visible page is partial, from the window's first page.
+    """
+    page_size, sink = page_table.page_size, page_table.num_pages
+    table = page_table.table[rows]  # [N, seq_width]
+    seq_width = table.shape[1]
+    real = last >= 0
+    visible = torch.where(real, last // page_size + 1, 0)
+    if window is None:
+        full = torch.where(real, (first + 1) // page_size, 0)
+        start = full
+    else:
+        full = torch.zeros_like(visible)
+        start = torch.where(real, (first - window + 1).clamp_min(0) // page_size, 0)
+    cols = torch.arange(seq_width, device=table.device)
+    partial_cols = start[:, None] + cols
+    partial = table.gather(1, partial_cols.clamp_max(seq_width - 1))
+    partial = torch.where(partial_cols < visible[:, None], partial, sink)
+    pad = metadata_width(page_table) - seq_width
+    as_meta = lambda x: x.to(torch.int32)[None, None]  # noqa: E731
+    return (
+        as_meta(visible - start),
+        as_meta(torch.nn.functional.pad(partial, (0, pad), value=sink)),
+        as_meta(full),
+        as_meta(torch.nn.functional.pad(table.clamp_min(0), (0, pad), value=sink)),
     )

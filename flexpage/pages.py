@@ -39,6 +39,45 @@ class StepPlan:
     fresh: bool  # no row held tokens before this step (a prefill from scratch)
 
 
+@dataclass(frozen=True)
+class PackedPlan:
+    """One ragged step: many rows' new tokens packed into a single query row, no batch padding.
+
+    The ``decode_len`` leading positions hold decode tokens (one per row, query blocks of one
+    token); after them come prefill chunks, each starting at a multiple of ``chunk_block``
+    so that a query block never spans two sequences. Positions left over (bucket tail, chunk
+    alignment) are padding: row 0, position -1, slot in the sink page.
+    """
+
+    slots: torch.Tensor  # [1, q_len] int64, pool slot of each packed token
+    tok_rows: torch.Tensor  # [q_len] int64, page-table row of each token
+    tok_pos: torch.Tensor  # [q_len] int64, logical position of each token (-1: padding)
+    decode_len: int
+    chunk_block: int
+    q_len: int
+
+    @property
+    def max_new(self) -> int:
+        return self.q_len  # every forward of a packed step feeds all of its positions
+
+    fresh = False  # a packed step always reads pages, never only its own new K/V
+
+
+def check_packed_layout(
+    num_decode: int, chunk_tokens: Sequence[int], decode_len: int, chunk_len: int, chunk_block: int
+) -> None:
+    """Raise ValueError unless the decode tokens and block-aligned chunks fit their regions."""
+    if num_decode > decode_len:
+        raise ValueError(f"{num_decode} decode tokens do not fit a decode region of {decode_len}")
+    if chunk_block < 1 or chunk_len % chunk_block:
+        raise ValueError(f"chunk region ({chunk_len}) must be a multiple of chunk_block ({chunk_block})")
+    if any(n < 1 for n in chunk_tokens):
+        raise ValueError(f"prefill chunks must hold at least one token, got {list(chunk_tokens)}")
+    needed = sum(cdiv(n, chunk_block) * chunk_block for n in chunk_tokens)
+    if needed > chunk_len:
+        raise ValueError(f"prefill chunks need {needed} block-aligned positions, the chunk region has {chunk_len}")
+
+
 class PageTable:
     """Fixed pool of ``num_pages`` pages of ``page_size`` token slots, shared by up to
     ``max_batch_size`` sequences (rows) of at most ``max_pages_per_seq`` pages each.
@@ -240,7 +279,50 @@ class PageTable:
         return StepPlan(rows=rows_t, q_start=q_start, kv_lens=kv_lens, slots=slots, q_len=q_len,
                         max_new=max(new_tokens, default=0), fresh=fresh)
 
+    def plan_packed(
+        self,
+        decode_rows: Sequence[int],
+        chunks: Sequence[tuple[int, int]],
+        decode_len: int,
+        chunk_len: int,
+        chunk_block: int,
+    ) -> PackedPlan:
+        """Describe a ragged step whose tokens were just added by ``extend``.
+
+        ``decode_rows`` each feed their last token; ``chunks`` are ``(row, num_tokens)`` prefill
+        chunks ending at the row's last token. The decode region is ``decode_len`` positions,
+        the chunk region ``chunk_len`` (both bucketed by the caller, so shapes repeat).
+        """
+        check_packed_layout(len(decode_rows), [n for _, n in chunks], decode_len, chunk_len, chunk_block)
+        q_len = decode_len + chunk_len
+        rows, positions = [0] * q_len, [-1] * q_len
+        for i, row in enumerate(decode_rows):
+            rows[i], positions[i] = row, self._length(row) - 1
+        at = decode_len
+        for row, n in chunks:
+            end = self._length(row)
+            rows[at : at + n] = [row] * n
+            positions[at : at + n] = range(end - n, end)
+            at += cdiv(n, chunk_block) * chunk_block
+        slots = [
+            self.seq_pages[r][p // self.page_size] * self.page_size + p % self.page_size if p >= 0 else self.sink_slot
+            for r, p in zip(rows, positions)
+        ]
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64).to(self.device)  # noqa: E731
+        return PackedPlan(
+            slots=as_tensor(slots)[None],
+            tok_rows=as_tensor(rows),
+            tok_pos=as_tensor(positions),
+            decode_len=decode_len,
+            chunk_block=chunk_block,
+            q_len=q_len,
+        )
+
     # ------------------------------------------------------------------ internals
+    def _length(self, row: int) -> int:
+        self._pages(row)
+        return self.seq_lens[row]
+
     def _pages(self, row: int) -> list[int]:
         if not 0 <= row < self.max_batch_size or self.seq_pages[row] is None:
             raise ValueError(f"row {row} holds no sequence")

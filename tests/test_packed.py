@@ -1,0 +1,87 @@
+"""Ragged (packed) steps: decode tokens and prefill chunks of different sequences in one
+query row, against per-sequence reference attention on contiguous K/V."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from reference import make_cache, reference_attention
+
+import flexpage
+from flexpage import masks
+
+HQ, HKV, D, PAGE = 8, 2, 32, 16
+DECODE_LEN, CHUNK_LEN = 4, 96  # the step's static regions: one compile per variant
+
+
+def _ragged_step(decode_ctx, chunks, window, cap, seed, decode_len=DECODE_LEN, chunk_len=CHUNK_LEN):
+    """Rows 0..k-1 decode one token after ``decode_ctx[i]`` cached tokens; the next rows run a
+    prefill chunk of ``n`` tokens after ``c`` cached ones, for ``(c, n)`` in ``chunks``."""
+    torch.manual_seed(seed)
+    cache = make_cache(PAGE, 64, HKV, D, max_batch_size=8, seed=seed)
+    rows = [cache.add_sequence() for _ in range(len(decode_ctx) + len(chunks))]
+    before = list(decode_ctx) + [c for c, _ in chunks]
+    new = [1] * len(decode_ctx) + [n for _, n in chunks]
+    keys = [torch.randn(HKV, b + n, D) for b, n in zip(before, new)]
+    values = [torch.randn(HKV, b + n, D) for b, n in zip(before, new)]
+    for row, b, k, v in zip(rows, before, keys, values):  # the cached context, one row at a time
+        if b:
+            cache.begin_step([row], [b])
+            cache.update(k[None, :, :b], v[None, :, :b], 0)
+    plan = cache.begin_packed_step(rows[: len(decode_ctx)], list(zip(rows[len(decode_ctx) :], new[len(decode_ctx) :])),
+                                   decode_len, chunk_len)
+    packed_k = torch.zeros(1, HKV, plan.q_len, D)
+    packed_v = torch.zeros_like(packed_k)
+    query = torch.randn(1, HQ, plan.q_len, D)
+    for i, row in enumerate(rows):
+        at = (plan.tok_rows == row) & (plan.tok_pos >= 0)
+        packed_k[0][:, at], packed_v[0][:, at] = keys[i][:, before[i] :], values[i][:, before[i] :]
+    k_pool, v_pool = cache.update(packed_k, packed_v, 0)
+    mask = masks.PackedBlockMask.for_step(cache.page_table, plan)
+    out = flexpage.packed_attention(query, k_pool, v_pool, mask, window=window, cap=cap)
+    mask_mod = None if window is None else masks.sliding_window(window)
+    score_mod = None if cap is None else masks.softcap(cap)
+    for i, row in enumerate(rows):
+        at = (plan.tok_rows == row) & (plan.tok_pos >= 0)
+        q_pos = plan.tok_pos[at]
+        ref = reference_attention(query[0][:, at], keys[i], values[i], q_pos, 0, mask_mod, score_mod)
+        torch.testing.assert_close(out[0][:, at].double(), ref, atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(out).all()  # padding positions included
+    return cache, plan
+
+
+@pytest.mark.parametrize("window, cap", [(None, None), (24, None), (None, 2.0)])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    decode_ctx=st.lists(st.integers(1, 120), min_size=0, max_size=DECODE_LEN),
+    chunks=st.lists(st.tuples(st.integers(0, 100), st.integers(1, 40)), min_size=1, max_size=2),
+    seed=st.integers(0, 2**16),
+)
+def test_ragged_step_matches_per_sequence_reference(window, cap, decode_ctx, chunks, seed):
+    _ragged_step(decode_ctx, chunks, window, cap, seed)
+
+
+def test_decode_only_and_chunk_only_steps():
+    cache, plan = _ragged_step([5, 16, 77], [], None, None, seed=1, chunk_len=0)
+    assert plan.q_len == DECODE_LEN and cache.page_table.seq_lens[:3] == [6, 17, 78]
+    cache, plan = _ragged_step([], [(0, 33), (17, 30)], None, None, seed=2, decode_len=0)
+    # chunks start on 16-token block boundaries: 33 tokens take 3 blocks, the next chunk starts at 48
+    assert plan.tok_pos[:33].tolist() == list(range(33)) and plan.tok_pos[33:48].eq(-1).all()
+    assert plan.tok_pos[48:78].tolist() == list(range(17, 47))
+    assert (plan.slots[0, plan.tok_pos < 0] == cache.page_table.sink_slot).all()
+
+
+def test_layout_that_does_not_fit_leaves_cache_unchanged():
+    cache = make_cache(PAGE, 8, HKV, D)
+    rows = [cache.add_sequence() for _ in range(3)]
+    cache.begin_step(rows[:1], [20])
+    free, lens = list(cache.page_table.free_pages), list(cache.page_table.seq_lens)
+    with pytest.raises(ValueError, match="block-aligned"):
+        cache.begin_packed_step([rows[0]], [(rows[1], 17), (rows[2], 16)], 1, 32)
+    with pytest.raises(ValueError, match="decode region"):
+        cache.begin_packed_step(rows[:2], [], 1, 0)
+    with pytest.raises(flexpage.OutOfPagesError):
+        cache.begin_packed_step([rows[0]], [(rows[1], 100)], 1, 112)
+    assert list(cache.page_table.free_pages) == free and cache.page_table.seq_lens == lens
