@@ -3,20 +3,25 @@
 from . import masks
 from .attention import fresh_prefill_attention, packed_attention, paged_attention
 from .cache import CacheStats, PagedKVCache
-from .errors import FlexpageError, OutOfPagesError, UnsupportedModelError
+from .engine import Engine, EngineStats, SamplingParams
+from .errors import FlexpageError, InvalidRequestError, OutOfPagesError, UnsupportedModelError
 from .hf import unwrap, wrap
 from .masks import PackedBlockMask, PagedBlockMask, build_block_mask, paged_mask_mod, paged_score_mod
 from .pages import PackedPlan, PageTable, StepPlan
 
 __all__ = [
     "CacheStats",
+    "Engine",
+    "EngineStats",
     "FlexpageError",
+    "InvalidRequestError",
     "OutOfPagesError",
     "PackedBlockMask",
     "PackedPlan",
     "PageTable",
     "PagedBlockMask",
     "PagedKVCache",
+    "SamplingParams",
     "StepPlan",
     "UnsupportedModelError",
     "build_block_mask",

@@ -123,8 +123,10 @@ def packed_attention(
         raise ValueError(
             f"a packed step takes a query of shape (1, heads, {block_mask.plan.q_len}, dim), got {tuple(query.shape)}"
         )
+    # Each region's query is made contiguous so its compiled graph depends on the region's
+    # own size only, not on the size of the step it was cut from.
     outputs = [
-        paged_attention(query[:, :, start:end], key_pool, value_pool, region_mask, score_mod, scale)
+        paged_attention(query[:, :, start:end].contiguous(), key_pool, value_pool, region_mask, score_mod, scale)
         for start, end, region_mask, score_mod in block_mask.regions(window, cap)
     ]
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)

@@ -15,3 +15,8 @@ class OutOfPagesError(FlexpageError, RuntimeError):
 
 class UnsupportedModelError(FlexpageError, NotImplementedError):
     """A model or attention variant that flexpage cannot serve exactly."""
+
+
+class InvalidRequestError(FlexpageError, ValueError):
+    """A request the Engine cannot serve (empty prompt, unknown token ids, too long, bad
+    sampling options). Raised when the request is submitted; nothing else is disturbed."""

@@ -1,0 +1,321 @@
+"""Engine: many requests over one paged pool, with continuous batching and ragged steps.
+
+Each step is one forward of the model over a packed batch: a decode token for every
+running sequence that has finished its prompt, then prefill chunks of others, no padding
+between sequences (``PageTable.plan_packed``). The step's ``PackedBlockMask`` is built
+once from the page tables and every layer attends through it. Region sizes are bucketed
+(powers of two), so a few compiled attention graphs serve every mix of lengths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence as Seq
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from .errors import InvalidRequestError
+from .hf import wrap
+from .masks import PackedBlockMask
+from .pages import cdiv
+from .scheduler import Scheduler, Sequence
+
+CHUNK_BLOCK = 16  # query block of prefill chunks (Triton's smallest tile); decode blocks are 1 token
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Generation options, named as in transformers' ``GenerationConfig``."""
+
+    max_new_tokens: int = 16
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    eos_token_id: int | Seq[int] | None = None  # None: the model's generation_config.eos_token_id
+
+    def check(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise InvalidRequestError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
+        if self.temperature <= 0:
+            raise InvalidRequestError(f"temperature must be > 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise InvalidRequestError(f"top_k must be >= 1, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    def stop_tokens(self) -> frozenset[int]:
+        eos = self.eos_token_id
+        return frozenset() if eos is None else frozenset([eos] if isinstance(eos, int) else eos)
+
+    def warpers(self) -> LogitsProcessorList:
+        warpers = LogitsProcessorList()
+        if self.temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(self.temperature))
+        if self.top_k is not None:
+            warpers.append(TopKLogitsWarper(self.top_k))
+        if self.top_p is not None and self.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(self.top_p))
+        return warpers
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    steps: int
+    forward_launches: int  # model forwards (one per step)
+    attention_calls: int  # compiled attention calls per layer, summed over steps (one per step region)
+    compiled_shapes: int  # distinct region shapes (each one compiled attention graph per layer variant)
+    preemptions: int
+    peak_pages_used: int
+    kv_utilisation: float  # live tokens / reserved page slots, averaged over steps
+    prompt_tokens_computed: int
+    tokens_generated: int
+    seconds: float
+
+
+class Engine:
+    """Serve many token-id prompts from one paged KV cache of ``max_cached_tokens`` tokens.
+
+    ``max_batch_size`` sequences run at once; a step feeds at most ``max_tokens_per_step``
+    tokens (decode tokens plus prefill chunks). The model is wrapped with ``flexpage.wrap``
+    (its ``generate()`` is paged too; don't call it while the engine is serving).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        page_size: int = 16,
+        max_cached_tokens: int = 32768,
+        max_batch_size: int = 32,
+        max_tokens_per_step: int = 512,
+        max_seq_len: int | None = None,
+        tokenizer: Any = None,
+    ) -> None:
+        if max_tokens_per_step < max_batch_size + CHUNK_BLOCK:
+            raise ValueError(
+                f"max_tokens_per_step ({max_tokens_per_step}) must leave room for a decode token per sequence "
+                f"(max_batch_size={max_batch_size}) and one {CHUNK_BLOCK}-token prefill chunk"
+            )
+        self.model = wrap(model, page_size=page_size, max_cached_tokens=max_cached_tokens,
+                          max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+        self.cache = model._flexpage.cache
+        self.tokenizer = tokenizer
+        self.scheduler = Scheduler(self.cache, max_batch_size, max_tokens_per_step, CHUNK_BLOCK)
+        self._sampling: dict[int, tuple[SamplingParams, torch.Generator | None]] = {}
+        self._next_index = 0
+        self._reset_stats()
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt: Seq[int] | str, params: SamplingParams | None = None) -> int:
+        """Queue one request and return its index; raises ``InvalidRequestError`` (and queues
+        nothing) for a request the engine cannot serve."""
+        params = params or SamplingParams()
+        if params.eos_token_id is None:  # as generate(): the model's own stop tokens by default
+            params = dataclasses.replace(params, eos_token_id=self.model.generation_config.eos_token_id)
+        tokens = self._checked(prompt, params)
+        index = self._next_index
+        self._next_index += 1
+        generator = None
+        if params.do_sample:
+            generator = torch.Generator(device=self.model.device)
+            if params.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(params.seed)
+        self._sampling[index] = (params, generator)
+        seq = Sequence(index, tokens, len(tokens), params.max_new_tokens, params.stop_tokens())
+        seq.arrival = time.perf_counter()
+        self.scheduler.add(seq)
+        return index
+
+    def stream(self, prompts: Seq[Seq[int] | str], max_new_tokens: int | Seq[int] = 16,
+               **sampling: Any) -> Iterator[tuple[int, int]]:
+        """Serve ``prompts`` (all validated before any runs) and yield ``(prompt index, token)``
+        as tokens are produced. ``max_new_tokens`` may be one value or one per prompt; other
+        options (``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed``,
+        ``eos_token_id``) apply to every prompt."""
+        params = self._params(prompts, max_new_tokens, sampling)
+        first = self._next_index
+        for prompt, p in zip(prompts, params):
+            self.add_request(prompt, p)
+        for index, token in self.run():
+            yield index - first, token
+
+    def generate(self, prompts: Seq[Seq[int] | str], max_new_tokens: int | Seq[int] = 16,
+                 progress: bool = False, **sampling: Any) -> list[list[int]]:
+        """The generated token ids of each prompt, in input order (see ``stream``)."""
+        outputs: list[list[int]] = [[] for _ in prompts]
+        with tqdm(total=len(prompts), desc="requests", unit="req", disable=not progress) as bar:
+            for i, token in self.stream(prompts, max_new_tokens, **sampling):
+                outputs[i].append(token)
+                bar.n = self._finished
+                bar.refresh()
+        return outputs
+
+    def run(self) -> Iterator[tuple[int, int]]:
+        """Step until every queued request has finished, yielding ``(request index, token)``."""
+        start = time.perf_counter()
+        try:
+            while self.scheduler.has_work:
+                yield from self.step()
+        finally:
+            self._seconds += time.perf_counter() - start
+
+    # ------------------------------------------------------------------ one step
+    @torch.inference_mode()
+    def step(self) -> list[tuple[int, int]]:
+        """Run one ragged step; return the ``(request index, token)`` pairs it produced."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        decode_len = _bucket(len(batch.decode), 4) if batch.decode else 0
+        aligned = sum(cdiv(n, CHUNK_BLOCK) * CHUNK_BLOCK for _, n in batch.chunks)
+        chunk_len = _bucket(aligned, 64) if aligned else 0
+        plan = self.cache.begin_packed_step(
+            [s.row for s in batch.decode], [(s.row, n) for s, n in batch.chunks], decode_len, chunk_len, CHUNK_BLOCK
+        )
+        ids = torch.zeros(plan.q_len, dtype=torch.long)
+        keep, sampled = [], []  # positions whose logits pick a token, and their sequences
+        for i, seq in enumerate(batch.decode):
+            ids[i] = seq.tokens[-1]
+            keep.append(i)
+            sampled.append(seq)
+        at = decode_len
+        for seq, n in batch.chunks:
+            ids[at : at + n] = torch.tensor(seq.tokens[seq.num_computed : seq.num_computed + n])
+            if seq.num_computed + n == len(seq.tokens):  # the chunk ends the prompt: its last logit samples
+                keep.append(at + n - 1)
+                sampled.append(seq)
+            at += cdiv(n, CHUNK_BLOCK) * CHUNK_BLOCK
+        device = self.model.device
+        mask = PackedBlockMask.for_step(self.cache.page_table, plan)
+        logits = self.model(
+            input_ids=ids[None].to(device),
+            position_ids=plan.tok_pos.clamp_min(0)[None].to(device),
+            attention_mask=mask,
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=torch.tensor(keep, device=device),
+        ).logits[0]
+        for seq in batch.decode:
+            seq.num_computed += 1
+        for seq, n in batch.chunks:
+            seq.num_computed += n
+        produced = []
+        for seq, row_logits in zip(sampled, logits):
+            token = self._sample(seq, row_logits)
+            seq.append(token)
+            if seq.index not in self.first_token_seconds:
+                self.first_token_seconds[seq.index] = time.perf_counter() - seq.arrival
+            produced.append((seq.index, token))
+            if seq.finished:
+                self.scheduler.finish(seq)
+                del self._sampling[seq.index]
+                self._finished += 1
+        self._record(batch, decode_len, chunk_len, len(produced))
+        return produced
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            steps=self._steps,
+            forward_launches=self._steps,
+            attention_calls=self._attention_calls,
+            compiled_shapes=len(self._shapes),
+            preemptions=self.scheduler.preemptions,
+            peak_pages_used=self._peak_pages,
+            kv_utilisation=self._utilisation_sum / self._steps if self._steps else 1.0,
+            prompt_tokens_computed=self._prefill_tokens,
+            tokens_generated=self._generated,
+            seconds=self._seconds,
+        )
+
+    # ------------------------------------------------------------------ internals
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
+        params, generator = self._sampling[seq.index]
+        if not params.do_sample:
+            return int(logits.argmax())
+        scores = params.warpers()(torch.tensor([seq.tokens]), logits[None].float())
+        return int(torch.multinomial(scores.softmax(-1), 1, generator=generator))
+
+    def _checked(self, prompt: Seq[int] | str, params: SamplingParams) -> list[int]:
+        """The prompt's token ids, or ``InvalidRequestError`` saying why it cannot be served."""
+        params.check()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("a string prompt needs Engine(..., tokenizer=...)")
+            tokens = list(self.tokenizer(prompt)["input_ids"])
+        else:
+            try:
+                tokens = [int(t) for t in prompt]
+            except (TypeError, ValueError) as error:
+                raise InvalidRequestError(f"a prompt is a list of token ids or a string: {error}") from None
+        if not tokens:
+            raise InvalidRequestError("empty prompt")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        pt = self.cache.page_table
+        capacity = min(pt.num_pages, pt.max_pages_per_seq) * pt.page_size
+        if len(tokens) + params.max_new_tokens > capacity:
+            raise InvalidRequestError(
+                f"prompt of {len(tokens)} tokens + max_new_tokens={params.max_new_tokens} exceeds the "
+                f"{capacity} tokens one sequence may hold in this cache"
+            )
+        return tokens
+
+    def _params(self, prompts, max_new_tokens, sampling) -> list[SamplingParams]:
+        """One SamplingParams per prompt; every prompt is checked before any is queued."""
+        unknown = set(sampling) - set(SamplingParams.__dataclass_fields__)
+        if unknown:
+            raise TypeError(f"unknown sampling options {sorted(unknown)}")
+        counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if len(counts) != len(prompts):
+            raise InvalidRequestError(f"{len(counts)} max_new_tokens values for {len(prompts)} prompts")
+        seed = sampling.pop("seed", None)  # prompt i samples from seed + i: reproducible, not identical
+        params = [
+            SamplingParams(max_new_tokens=n, seed=None if seed is None else seed + i, **sampling)
+            for i, n in enumerate(counts)
+        ]
+        errors = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                self._checked(prompt, p)
+            except InvalidRequestError as error:
+                errors.append(f"prompt {i}: {error}")
+        if errors:
+            raise InvalidRequestError("; ".join(errors))
+        return params
+
+    def _reset_stats(self) -> None:
+        self._steps = self._attention_calls = self._peak_pages = 0
+        self._prefill_tokens = self._generated = self._finished = 0
+        self._utilisation_sum = self._seconds = 0.0
+        self._shapes: set[tuple[str, int]] = set()
+        self.first_token_seconds: dict[int, float] = {}  # request index -> seconds from submission
+
+    def _record(self, batch, decode_len: int, chunk_len: int, produced: int) -> None:
+        stats = self.cache.stats()
+        self._steps += 1
+        self._attention_calls += (decode_len > 0) + (chunk_len > 0)
+        self._shapes.update(shape for shape in (("decode", decode_len), ("chunk", chunk_len)) if shape[1])
+        self._peak_pages = max(self._peak_pages, stats.pages_used)
+        self._utilisation_sum += stats.utilisation
+        self._prefill_tokens += sum(n for _, n in batch.chunks)
+        self._generated += produced
+
+
+def _bucket(n: int, smallest: int) -> int:
+    """Region sizes are powers of two (at least ``smallest``) so step shapes repeat."""
+    return max(smallest, 1 << (n - 1).bit_length())

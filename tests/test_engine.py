@@ -1,0 +1,134 @@
+"""flexpage.Engine: every request's greedy tokens equal that request run alone through stock
+generate(), with continuous batching, ragged steps, chunked prefill and preemption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexpage
+import models
+from flexpage import InvalidRequestError
+from flexpage.benchmark import compiled_graphs
+
+VOCAB = 256  # the tiny configs' vocabulary
+LENGTHS = (5, 37, 130, 64, 17, 200, 3, 90)
+NEW_TOKENS = (12, 5, 20, 9, 30, 7, 15, 11)
+
+
+def workload(lengths=LENGTHS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def stock_greedy(model, prompt, new_tokens):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def stock_llama():
+    return models.build("llama-tiny")
+
+
+@pytest.fixture(scope="module")
+def expected(stock_llama):
+    return [stock_greedy(stock_llama, p, n) for p, n in zip(workload(), NEW_TOKENS)]
+
+
+def make_engine(arch="llama", **kwargs):
+    options = dict(page_size=16, max_cached_tokens=2048, max_batch_size=8, max_tokens_per_step=128) | kwargs
+    return flexpage.Engine(models.build(f"{arch}-tiny"), **options)
+
+
+def test_mixed_workload_matches_stock(expected):
+    engine = make_engine()
+    outputs = engine.generate(workload(), max_new_tokens=list(NEW_TOKENS))
+    assert outputs == expected
+    stats = engine.stats()
+    assert stats.tokens_generated == sum(NEW_TOKENS)
+    assert stats.prompt_tokens_computed == sum(LENGTHS)  # prefilled once: no preemption, no recompute
+    assert stats.attention_calls > stats.steps  # some steps mixed decode tokens with prefill chunks
+    assert stats.forward_launches == stats.steps and stats.compiled_shapes <= 4
+    assert stats.preemptions == 0
+    assert engine.cache.stats().pages_used == 0  # every finished request gave its pages back
+    # other lengths in the same buckets: no new compiled graph
+    graphs = compiled_graphs()
+    engine.generate(workload((3, 250, 66, 31, 120, 8), seed=1), max_new_tokens=[40, 3, 17, 26, 9, 33])
+    assert compiled_graphs() == graphs
+
+
+def test_preemption_under_a_small_pool_changes_no_token(expected):
+    # 24 pages of 16 tokens: the 200-token prompt plus its neighbours cannot all stay resident
+    engine = make_engine(max_cached_tokens=384)
+    outputs = engine.generate(workload(), max_new_tokens=list(NEW_TOKENS))
+    assert outputs == expected
+    assert engine.stats().preemptions > 0
+    assert engine.stats().peak_pages_used <= 24
+    assert engine.cache.stats().pages_used == 0
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])  # sliding windows; Gemma 2 also soft-caps logits
+def test_attention_variants_match_stock(arch):
+    stock = models.build(f"{arch}-tiny")
+    prompts, news = workload((40, 130, 9, 75)), [20, 12, 25, 16]
+    expected = [stock_greedy(stock, p, n) for p, n in zip(prompts, news)]
+    assert make_engine(arch).generate(prompts, max_new_tokens=news) == expected
+
+
+def test_stream_yields_each_token_as_produced(expected):
+    engine = make_engine()
+    streamed: list[list[int]] = [[] for _ in LENGTHS]
+    order = []
+    for i, token in engine.stream(workload(), max_new_tokens=list(NEW_TOKENS)):
+        streamed[i].append(token)
+        order.append(i)
+    assert streamed == expected
+    switches = sum(a != b for a, b in zip(order, order[1:]))
+    assert switches > len(LENGTHS)  # requests' tokens interleave: they run together, not one after another
+
+
+def test_sampling_is_seeded_and_stops_at_eos(expected):
+    engine = make_engine()
+    prompts = workload()[:3]
+    kwargs = dict(max_new_tokens=20, do_sample=True, temperature=0.8, top_k=50, top_p=0.9, seed=7)
+    first, second = engine.generate(prompts, **kwargs), engine.generate(prompts, **kwargs)
+    assert first == second and first[0] != first[1]
+    assert all(len(o) == 20 or (len(o) < 20 and o[-1] == engine.model.generation_config.eos_token_id) for o in first)
+    assert engine.generate(prompts, **(kwargs | {"seed": 8})) != first
+    # greedy with the 3rd greedy token of request 0 as EOS: stops right there, EOS included
+    eos = expected[0][2]
+    stop = expected[0].index(eos) + 1
+    assert engine.generate(workload()[:1], max_new_tokens=12, eos_token_id=eos)[0] == expected[0][:stop]
+
+
+def test_bad_requests_are_rejected_alone(expected):
+    engine = make_engine(max_cached_tokens=512)
+    prompts = workload()
+    good = [engine.add_request(prompts[0], flexpage.SamplingParams(max_new_tokens=NEW_TOKENS[0]))]
+    before = (list(engine.scheduler.waiting), engine.cache.stats())
+    for prompt, params, message in [
+        ([], None, "empty prompt"),
+        ([1] * 600, None, "exceeds"),
+        ([5, VOCAB + 3], None, "outside the vocabulary"),
+        ([-1, 5], None, "outside the vocabulary"),
+        ([5, 6], flexpage.SamplingParams(max_new_tokens=-1), "max_new_tokens"),
+        ("a string", None, "tokenizer"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=message):
+            engine.add_request(prompt, params)
+    assert (list(engine.scheduler.waiting), engine.cache.stats()) == before
+    good.append(engine.add_request(prompts[1], flexpage.SamplingParams(max_new_tokens=NEW_TOKENS[1])))
+    outputs: dict[int, list[int]] = {i: [] for i in good}
+    for i, token in engine.run():
+        outputs[i].append(token)
+    assert [outputs[i] for i in good] == expected[:2]
+    # a batch call names every bad prompt and queues none of them
+    with pytest.raises(InvalidRequestError, match=r"prompt 1: empty prompt; prompt 2: .*vocabulary"):
+        engine.generate([prompts[0], [], [VOCAB]], max_new_tokens=4)
+    assert not engine.scheduler.has_work
+
+
+def test_engine_rejects_a_budget_without_room_for_a_chunk():
+    with pytest.raises(ValueError, match="max_tokens_per_step"):
+        make_engine(max_batch_size=8, max_tokens_per_step=16)
