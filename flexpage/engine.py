@@ -84,6 +84,17 @@ class EngineStats:
     seconds: float
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """What one step did and how full the pool was after it (``Engine.history``)."""
+
+    time: float  # perf_counter() at the end of the step
+    decode_tokens: int
+    prefill_tokens: int
+    pages_used: int
+    kv_utilisation: float  # live tokens / reserved page slots
+
+
 class Engine:
     """Serve many token-id prompts from one paged KV cache of ``max_cached_tokens`` tokens.
 
@@ -114,7 +125,7 @@ class Engine:
         self.scheduler = Scheduler(self.cache, max_batch_size, max_tokens_per_step, CHUNK_BLOCK)
         self._sampling: dict[int, tuple[SamplingParams, torch.Generator | None]] = {}
         self._next_index = 0
-        self._reset_stats()
+        self.reset_stats()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: Seq[int] | str, params: SamplingParams | None = None) -> int:
@@ -159,8 +170,7 @@ class Engine:
         with tqdm(total=len(prompts), desc="requests", unit="req", disable=not progress) as bar:
             for i, token in self.stream(prompts, max_new_tokens, **sampling):
                 outputs[i].append(token)
-                bar.n = self._finished
-                bar.refresh()
+                bar.update(self._finished - bar.n)
         return outputs
 
     def run(self) -> Iterator[tuple[int, int]]:
@@ -206,7 +216,7 @@ class Engine:
             attention_mask=mask,
             cache=self.cache,
             use_cache=True,
-            logits_to_keep=torch.tensor(keep, device=device),
+            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
         ).logits[0]
         for seq in batch.decode:
             seq.num_computed += 1
@@ -298,12 +308,14 @@ class Engine:
             raise InvalidRequestError("; ".join(errors))
         return params
 
-    def _reset_stats(self) -> None:
+    def reset_stats(self) -> None:
+        """Start counting afresh (``stats()``, ``history``, ``first_token_seconds``)."""
         self._steps = self._attention_calls = self._peak_pages = 0
         self._prefill_tokens = self._generated = self._finished = 0
         self._utilisation_sum = self._seconds = 0.0
         self._shapes: set[tuple[str, int]] = set()
         self.first_token_seconds: dict[int, float] = {}  # request index -> seconds from submission
+        self.history: list[StepRecord] = []
 
     def _record(self, batch, decode_len: int, chunk_len: int, produced: int) -> None:
         stats = self.cache.stats()
@@ -314,6 +326,8 @@ class Engine:
         self._utilisation_sum += stats.utilisation
         self._prefill_tokens += sum(n for _, n in batch.chunks)
         self._generated += produced
+        self.history.append(StepRecord(time.perf_counter(), len(batch.decode), sum(n for _, n in batch.chunks),
+                                       stats.pages_used, stats.utilisation))
 
 
 def _bucket(n: int, smallest: int) -> int:

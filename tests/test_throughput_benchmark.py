@@ -1,0 +1,31 @@
+"""The throughput benchmark's quick mode runs end to end and writes complete results (not timed)."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = {"flexpage_engine", "stock_padded_b1", "stock_padded_b4", "stock_continuous_batching"}
+COLUMNS = {"seconds", "generated_tokens", "tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p99_s",
+           "speedup_vs_best_padded"}
+
+
+def test_quick_throughput_benchmark(tmp_path):
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_throughput.py"), "--quick", "--out", str(tmp_path)],
+                   check=True, cwd=ROOT, timeout=900)
+    data = json.loads((tmp_path / "throughput.json").read_text())
+    records = {r["config"]: r for r in data["records"]}
+    assert set(records) == CONFIGS, data["meta"]["errors"]
+    total = records["flexpage_engine"]["generated_tokens"]
+    for r in records.values():
+        assert COLUMNS <= r.keys(), r
+        assert all(math.isfinite(r[c]) and r[c] > 0 for c in COLUMNS), r
+        assert r["generated_tokens"] == total  # every configuration served the whole workload
+    engine = records["flexpage_engine"]
+    assert 0 < engine["kv_utilisation"] <= 1 and 0 < engine["peak_pages"] <= engine["pages_total"]
+    trace = json.loads((tmp_path / "throughput_kv_trace.json").read_text())["records"]
+    assert len(trace) == engine["steps"] and all(0 < t["kv_utilisation"] <= 1 for t in trace)
+    for name in ("throughput.csv", "throughput_kv_trace.csv", "throughput_vs_batch.png", "throughput_kv_utilisation.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
