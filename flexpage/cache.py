@@ -36,6 +36,7 @@ class CacheStats:
     live_tokens: int
     reserved_slots: int
     utilisation: float  # live_tokens / reserved_slots (1.0 when nothing is reserved)
+    pages_cached: int = 0  # prefix-cache pages nobody holds, kept until the pool needs them (counted free)
 
 
 class PagedLayer(CacheLayerMixin):
@@ -320,4 +321,5 @@ class PagedKVCache(Cache):
             live_tokens=live,
             reserved_slots=reserved,
             utilisation=live / reserved if reserved else 1.0,
+            pages_cached=len(pt.cached_pages),
         )

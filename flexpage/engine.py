@@ -44,10 +44,13 @@ class SamplingParams:
     top_p: float | None = None
     seed: int | None = None
     eos_token_id: int | Seq[int] | None = None  # None: the model's generation_config.eos_token_id
+    num_return_sequences: int = 1  # samples of the prompt; they share its pages (copy-on-write)
 
     def check(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
+        if not isinstance(self.num_return_sequences, int) or self.num_return_sequences < 1:
+            raise InvalidRequestError(f"num_return_sequences must be a positive int, got {self.num_return_sequences!r}")
         if self.temperature <= 0:
             raise InvalidRequestError(f"temperature must be > 0, got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
@@ -80,6 +83,7 @@ class EngineStats:
     peak_pages_used: int
     kv_utilisation: float  # live tokens / reserved page slots, averaged over steps
     prompt_tokens_computed: int
+    prefix_hit_tokens: int  # prompt tokens served from the prefix cache instead of computed
     tokens_generated: int
     seconds: float
 
@@ -112,6 +116,7 @@ class Engine:
         max_tokens_per_step: int = 512,
         max_seq_len: int | None = None,
         tokenizer: Any = None,
+        prefix_caching: bool = True,
     ) -> None:
         if max_tokens_per_step < max_batch_size + CHUNK_BLOCK:
             raise ValueError(
@@ -122,7 +127,7 @@ class Engine:
                           max_batch_size=max_batch_size, max_seq_len=max_seq_len)
         self.cache = model._flexpage.cache
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(self.cache, max_batch_size, max_tokens_per_step, CHUNK_BLOCK)
+        self.scheduler = Scheduler(self.cache, max_batch_size, max_tokens_per_step, CHUNK_BLOCK, prefix_caching)
         self._sampling: dict[int, tuple[SamplingParams, torch.Generator | None]] = {}
         self._next_index = 0
         self.reset_stats()
@@ -135,27 +140,37 @@ class Engine:
         if params.eos_token_id is None:  # as generate(): the model's own stop tokens by default
             params = dataclasses.replace(params, eos_token_id=self.model.generation_config.eos_token_id)
         tokens = self._checked(prompt, params)
+        if params.num_return_sequences > self.scheduler.max_batch_size:
+            raise InvalidRequestError(
+                f"num_return_sequences={params.num_return_sequences} exceeds max_batch_size={self.scheduler.max_batch_size}"
+            )
         index = self._next_index
-        self._next_index += 1
-        generator = None
-        if params.do_sample:
-            generator = torch.Generator(device=self.model.device)
-            if params.seed is None:
-                generator.seed()
-            else:
-                generator.manual_seed(params.seed)
-        self._sampling[index] = (params, generator)
-        seq = Sequence(index, tokens, len(tokens), params.max_new_tokens, params.stop_tokens())
-        seq.arrival = time.perf_counter()
+        self._next_index += params.num_return_sequences  # sample j of the request is output index + j
+        for j in range(params.num_return_sequences):
+            self._sampling[index + j] = (params, self._generator(params, j))
+        seq = Sequence(index, tokens, len(tokens), params.max_new_tokens, params.stop_tokens(),
+                       arrival=time.perf_counter(), forks=params.num_return_sequences - 1)
         self.scheduler.add(seq)
         return index
 
+    def _generator(self, params: SamplingParams, sample: int) -> torch.Generator | None:
+        if not params.do_sample:
+            return None
+        generator = torch.Generator(device=self.model.device)
+        if params.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(params.seed + sample)
+        return generator
+
     def stream(self, prompts: Seq[Seq[int] | str], max_new_tokens: int | Seq[int] = 16,
                **sampling: Any) -> Iterator[tuple[int, int]]:
-        """Serve ``prompts`` (all validated before any runs) and yield ``(prompt index, token)``
+        """Serve ``prompts`` (all validated before any runs) and yield ``(output index, token)``
         as tokens are produced. ``max_new_tokens`` may be one value or one per prompt; other
         options (``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed``,
-        ``eos_token_id``) apply to every prompt."""
+        ``eos_token_id``, ``num_return_sequences``) apply to every prompt. With
+        ``num_return_sequences=n`` sample ``j`` of prompt ``i`` is output ``i * n + j``, as in
+        ``generate()``."""
         params = self._params(prompts, max_new_tokens, sampling)
         first = self._next_index
         for prompt, p in zip(prompts, params):
@@ -165,9 +180,9 @@ class Engine:
 
     def generate(self, prompts: Seq[Seq[int] | str], max_new_tokens: int | Seq[int] = 16,
                  progress: bool = False, **sampling: Any) -> list[list[int]]:
-        """The generated token ids of each prompt, in input order (see ``stream``)."""
-        outputs: list[list[int]] = [[] for _ in prompts]
-        with tqdm(total=len(prompts), desc="requests", unit="req", disable=not progress) as bar:
+        """The generated token ids of each output, in input order (see ``stream``)."""
+        outputs: list[list[int]] = [[] for _ in range(len(prompts) * sampling.get("num_return_sequences", 1))]
+        with tqdm(total=len(outputs), desc="requests", unit="req", disable=not progress) as bar:
             for i, token in self.stream(prompts, max_new_tokens, **sampling):
                 outputs[i].append(token)
                 bar.update(self._finished - bar.n)
@@ -209,21 +224,27 @@ class Engine:
                 sampled.append(seq)
             at += cdiv(n, CHUNK_BLOCK) * CHUNK_BLOCK
         device = self.model.device
-        mask = PackedBlockMask.for_step(self.cache.page_table, plan)
-        logits = self.model(
-            input_ids=ids[None].to(device),
-            position_ids=plan.tok_pos.clamp_min(0)[None].to(device),
-            attention_mask=mask,
-            cache=self.cache,
-            use_cache=True,
-            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
-        ).logits[0]
+        try:
+            logits = self.model(
+                input_ids=ids[None].to(device),
+                position_ids=plan.tok_pos.clamp_min(0)[None].to(device),
+                attention_mask=PackedBlockMask.for_step(self.cache.page_table, plan),
+                cache=self.cache,
+                use_cache=True,
+                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
+            ).logits[0]
+        except BaseException:  # the step's tokens were never computed: give their slots back
+            for seq in batch.decode + [seq for seq, _ in batch.chunks]:
+                self.cache.page_table.truncate(seq.row, seq.num_computed)
+            raise
         for seq in batch.decode:
             seq.num_computed += 1
         for seq, n in batch.chunks:
             seq.num_computed += n
+        for seq in batch.decode + [seq for seq, _ in batch.chunks]:
+            self.scheduler.register_pages(seq)
         produced = []
-        for seq, row_logits in zip(sampled, logits):
+        for seq, row_logits in self._with_forks(sampled, logits):
             token = self._sample(seq, row_logits)
             seq.append(token)
             if seq.index not in self.first_token_seconds:
@@ -246,11 +267,22 @@ class Engine:
             peak_pages_used=self._peak_pages,
             kv_utilisation=self._utilisation_sum / self._steps if self._steps else 1.0,
             prompt_tokens_computed=self._prefill_tokens,
+            prefix_hit_tokens=self.scheduler.prefix_hit_tokens - self._hits_at_reset,
             tokens_generated=self._generated,
             seconds=self._seconds,
         )
 
     # ------------------------------------------------------------------ internals
+    def _with_forks(self, sampled: list[Sequence], logits: torch.Tensor) -> Iterator[tuple[Sequence, torch.Tensor]]:
+        """Each sampled sequence with its logits; a prompt just finished with ``n`` samples asked
+        for splits into its ``n - 1`` siblings here, each sampling from the same logits."""
+        for seq, row_logits in zip(sampled, logits):
+            if seq.forks and not seq.output:
+                for j in range(1, seq.forks + 1):
+                    yield self.scheduler.fork(seq, seq.index + j), row_logits
+                seq.forks = 0
+            yield seq, row_logits
+
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
         params, generator = self._sampling[seq.index]
         if not params.do_sample:
@@ -293,9 +325,10 @@ class Engine:
         counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
         if len(counts) != len(prompts):
             raise InvalidRequestError(f"{len(counts)} max_new_tokens values for {len(prompts)} prompts")
-        seed = sampling.pop("seed", None)  # prompt i samples from seed + i: reproducible, not identical
+        seed = sampling.pop("seed", None)  # output k samples from seed + k: reproducible, not identical
+        width = sampling.get("num_return_sequences", 1)
         params = [
-            SamplingParams(max_new_tokens=n, seed=None if seed is None else seed + i, **sampling)
+            SamplingParams(max_new_tokens=n, seed=None if seed is None else seed + i * width, **sampling)
             for i, n in enumerate(counts)
         ]
         errors = []
@@ -314,6 +347,7 @@ class Engine:
         self._prefill_tokens = self._generated = self._finished = 0
         self._utilisation_sum = self._seconds = 0.0
         self._shapes: set[tuple[str, int]] = set()
+        self._hits_at_reset = self.scheduler.prefix_hit_tokens
         self.first_token_seconds: dict[int, float] = {}  # request index -> seconds from submission
         self.history: list[StepRecord] = []
 

@@ -8,7 +8,7 @@ tensors that are updated in place, so compiled code that reads them never change
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -85,6 +85,11 @@ class PageTable:
     Pages are reference counted so rows can share them (forks, prefixes); a shared page
     that is only partly filled is copied before a row writes into it (copy-on-write).
     Every mutating method either completes or raises leaving all state unchanged.
+
+    Prefix caching: a full page can be registered under a key naming its content (a hash
+    chained over every token up to its end). Registered pages are never written in place;
+    when nobody references one it stays *cached* (its K/V intact, findable by ``lookup``)
+    until an allocation needs it, least recently released first.
     """
 
     def __init__(
@@ -109,6 +114,9 @@ class PageTable:
         # Host-side truth.
         self.free_pages: deque[int] = deque(range(num_pages))
         self.ref_counts = [0] * num_pages
+        self.cached_pages: OrderedDict[int, None] = OrderedDict()  # unreferenced registered pages, LRU first
+        self.page_keys: dict[int, bytes] = {}  # registered page -> content key
+        self.key_pages: dict[bytes, int] = {}  # content key -> registered page
         self.seq_pages: list[list[int] | None] = [None] * max_batch_size  # None: row unused
         self.seq_lens = [0] * max_batch_size
         # Device mirrors read by masks and slot computation.
@@ -126,7 +134,8 @@ class PageTable:
 
     @property
     def num_free_pages(self) -> int:
-        return len(self.free_pages)
+        """Pages an allocation can take: free ones and cached ones nobody references."""
+        return len(self.free_pages) + len(self.cached_pages)
 
     @property
     def active_rows(self) -> list[int]:
@@ -158,8 +167,9 @@ class PageTable:
         return row
 
     def free_sequence(self, row: int) -> None:
-        """Release a row and drop its references; pages nobody owns return to the free list."""
-        for page in self._pages(row):
+        """Release a row and drop its references; pages nobody owns return to the free list
+        (registered ones to the cache, the sequence's tail first so prefixes outlive it)."""
+        for page in reversed(self._pages(row)):
             self._unref(page)
         self.seq_pages[row] = None
         self.seq_lens[row] = 0
@@ -232,10 +242,10 @@ class PageTable:
                     f"({self.max_pages_per_seq * self.page_size} tokens)"
                 )
             needed += self.pages_needed(row, n)
-        if needed > len(self.free_pages):
+        if needed > self.num_free_pages:
             raise OutOfPagesError(
                 f"need {needed} free pages for {sum(num_tokens)} new tokens, "
-                f"only {len(self.free_pages)} of {self.num_pages} are free"
+                f"only {self.num_free_pages} of {self.num_pages} are free"
             )
         copies = []
         for row, n in zip(rows, num_tokens):
@@ -244,9 +254,7 @@ class PageTable:
             pages, length = self.seq_pages[row], self.seq_lens[row]
             first_new = len(pages)
             for _ in range(cdiv(length + n, self.page_size) - len(pages)):
-                page = self.free_pages.popleft()
-                self.ref_counts[page] = 1
-                pages.append(page)
+                pages.append(self._alloc())
             if len(pages) > first_new:
                 new = torch.tensor(pages[first_new:], dtype=torch.int32)
                 self.table[row, first_new : len(pages)] = new.to(self.device)
@@ -278,6 +286,51 @@ class PageTable:
         fresh = all(self.seq_lens[r] == n for r, n in zip(rows, new_tokens))
         return StepPlan(rows=rows_t, q_start=q_start, kv_lens=kv_lens, slots=slots, q_len=q_len,
                         max_new=max(new_tokens, default=0), fresh=fresh)
+
+    # ------------------------------------------------------------------ prefix cache
+    def register(self, row: int, index: int, key: bytes) -> None:
+        """Record that the row's full page ``index`` holds the content named ``key``.
+
+        The first page registered under a key keeps it (a later duplicate stays private).
+        """
+        pages = self._pages(row)
+        if (index + 1) * self.page_size > self.seq_lens[row]:
+            raise ValueError(f"page {index} of row {row} is not full ({self.seq_lens[row]} tokens)")
+        page = pages[index]
+        if key not in self.key_pages and page not in self.page_keys:
+            self.key_pages[key], self.page_keys[page] = page, key
+
+    def lookup(self, keys: Sequence[bytes]) -> list[int]:
+        """Registered pages of the longest prefix of ``keys`` (the chain stops at the first miss)."""
+        pages = []
+        for key in keys:
+            page = self.key_pages.get(key)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def attach(self, row: int, pages: Sequence[int]) -> None:
+        """Give an empty row the registered ``pages`` (from ``lookup``) as its first tokens."""
+        if self._pages(row) or any(p not in self.page_keys for p in pages):
+            raise ValueError(f"attach needs an empty row and registered pages, got row {row} and {list(pages)}")
+        if len(pages) > self.max_pages_per_seq:
+            raise OutOfPagesError(f"{len(pages)} pages exceed a sequence's {self.max_pages_per_seq}")
+        for page in pages:
+            self.cached_pages.pop(page, None)
+            self.ref_counts[page] += 1
+        self.seq_pages[row] = list(pages)
+        self.seq_lens[row] = len(pages) * self.page_size
+        self._mirror(row)
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every registered page: cached ones become free, held ones stay with their rows."""
+        for page in self.cached_pages:
+            self.free_pages.append(page)
+            self.page_logical[page] = -1
+        self.cached_pages.clear()
+        self.page_keys.clear()
+        self.key_pages.clear()
 
     def plan_packed(
         self,
@@ -329,14 +382,26 @@ class PageTable:
         return self.seq_pages[row]
 
     def _needs_copy(self, row: int, num_tokens: int) -> bool:
+        """A write into a partly filled last page that is shared or registered goes to a copy."""
         pages, length = self._pages(row), self.seq_lens[row]
-        return num_tokens > 0 and length % self.page_size != 0 and self.ref_counts[pages[-1]] > 1
+        if num_tokens == 0 or length % self.page_size == 0:
+            return False
+        return self.ref_counts[pages[-1]] > 1 or pages[-1] in self.page_keys
+
+    def _alloc(self) -> int:
+        """A page for one owner: a free one, else the least recently released cached one."""
+        if self.free_pages:
+            page = self.free_pages.popleft()
+        else:
+            page, _ = self.cached_pages.popitem(last=False)
+            del self.key_pages[self.page_keys.pop(page)]
+        self.ref_counts[page] = 1
+        return page
 
     def _copy_last_page(self, row: int) -> tuple[int, int]:
         pages = self.seq_pages[row]
         src = pages[-1]
-        dst = self.free_pages.popleft()
-        self.ref_counts[dst] = 1
+        dst = self._alloc()
         self.ref_counts[src] -= 1
         pages[-1] = dst
         self.table[row, len(pages) - 1] = dst
@@ -354,5 +419,8 @@ class PageTable:
     def _unref(self, page: int) -> None:
         self.ref_counts[page] -= 1
         if self.ref_counts[page] == 0:
-            self.free_pages.append(page)
-            self.page_logical[page] = -1
+            if page in self.page_keys:  # keeps its K/V and logical index until evicted
+                self.cached_pages[page] = None
+            else:
+                self.free_pages.append(page)
+                self.page_logical[page] = -1

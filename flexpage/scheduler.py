@@ -11,6 +11,8 @@ preemption never changes a token.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -31,6 +33,20 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     finished: bool = False
     arrival: float = 0.0  # perf_counter() when the request was queued
+    forks: int = 0  # sibling samples still to split off once the prompt is done (num_return_sequences - 1)
+    block_keys: list[bytes] = field(default_factory=list)  # content keys of the first full pages
+    num_registered: int = 0  # leading pages registered in the prefix cache
+
+    def keys_upto(self, num_tokens: int, page_size: int) -> list[bytes]:
+        """Content keys of the full pages among the first ``num_tokens`` tokens: a hash chained
+        over every token up to each page's end, so equal keys mean equal prefixes."""
+        keys = self.block_keys
+        while (len(keys) + 1) * page_size <= num_tokens:
+            i = len(keys)
+            digest = hashlib.blake2b(keys[-1] if keys else b"", digest_size=16)
+            digest.update(array("q", self.tokens[i * page_size : (i + 1) * page_size]).tobytes())
+            keys.append(digest.digest())
+        return keys[: num_tokens // page_size]
 
     @property
     def output(self) -> list[int]:
@@ -59,10 +75,18 @@ class Batch:
 
 
 class Scheduler:
-    """FIFO admission, chunked prefill under a token budget, youngest-first preemption."""
+    """FIFO admission, chunked prefill under a token budget, youngest-first preemption.
 
-    def __init__(self, cache: PagedKVCache, max_batch_size: int, max_tokens_per_step: int, chunk_block: int = 16):
+    With ``prefix_caching`` a request starts from the cached pages of its longest known
+    prefix (their prefill is skipped), and the full pages it computes are registered for
+    later requests.
+    """
+
+    def __init__(self, cache: PagedKVCache, max_batch_size: int, max_tokens_per_step: int, chunk_block: int = 16,
+                 prefix_caching: bool = True):
         self.cache = cache
+        self.prefix_caching = prefix_caching
+        self.prefix_hit_tokens = 0
         self.page_table = cache.page_table
         self.max_batch_size = min(max_batch_size, self.page_table.max_batch_size)
         self.max_tokens_per_step = max_tokens_per_step
@@ -104,21 +128,56 @@ class Scheduler:
         for seq in self.running:
             if seq.num_pending > 1 and budget > 0:
                 take(seq)
-        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if cdiv(seq.num_pending, page) > free:  # admit only what the pool can hold whole
+            rows = len(self.running) + sum(s.forks for s in self.running)  # samples still to fork need rows too
+            if rows + 1 + seq.forks > self.max_batch_size:
+                break
+            hit = self.cached_prefix(seq)
+            revived = sum(1 for p in hit if pt.ref_counts[p] == 0)  # cached pages it takes out of the free pool
+            if cdiv(len(seq.tokens), page) - len(hit) + revived > free:  # admit only what the pool holds whole
                 break
             self.waiting.popleft()
             seq.row = self.cache.add_sequence()
+            if hit:
+                pt.attach(seq.row, hit)
+                seq.num_registered, seq.num_computed = len(hit), len(hit) * page
+                self.prefix_hit_tokens += seq.num_computed
+                free -= revived
             self.running.append(seq)
             take(seq)
         return batch
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """Registered pages holding the sequence's longest cached prefix; the last token is
+        always left to compute (its logits pick the next token)."""
+        if not self.prefix_caching:
+            return []
+        return self.page_table.lookup(seq.keys_upto(len(seq.tokens) - 1, self.page_table.page_size))
+
+    def register_pages(self, seq: Sequence) -> None:
+        """Offer the sequence's newly completed pages to the prefix cache."""
+        full = seq.num_computed // self.page_table.page_size
+        if not self.prefix_caching or full <= seq.num_registered:
+            return
+        keys = seq.keys_upto(full * self.page_table.page_size, self.page_table.page_size)
+        for i in range(seq.num_registered, full):
+            self.page_table.register(seq.row, i, keys[i])
+        seq.num_registered = full
+
+    def fork(self, seq: Sequence, index: int) -> Sequence:
+        """A sibling sample of a running sequence sharing all of its pages (copy-on-write)."""
+        child = Sequence(index, list(seq.tokens), seq.prompt_len, seq.max_new_tokens, seq.stop_token_ids,
+                         row=self.cache.fork(seq.row), num_computed=seq.num_computed, arrival=seq.arrival,
+                         block_keys=list(seq.block_keys), num_registered=seq.num_registered)
+        self.running.append(child)
+        return child
 
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's pages; it waits first in line and is recomputed later."""
         self.cache.free_sequence(seq.row)
         self.running.remove(seq)
-        seq.row, seq.num_computed = None, 0
+        seq.row, seq.num_computed, seq.num_registered = None, 0, 0
         self.waiting.appendleft(seq)
         self.preemptions += 1
 

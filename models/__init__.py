@@ -47,3 +47,19 @@ def build(
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     return model.eval()
+
+
+def load(name_or_dir: str = DEFAULT_MODEL, **kwargs) -> PreTrainedModel:
+    """A zoo model by name (``build``), or a model saved with ``save_pretrained`` in a local
+    directory (``from_pretrained``; never downloads), in eval mode."""
+    if Path(name_or_dir).is_dir():
+        kwargs.pop("seed", None)
+        return AutoModelForCausalLM.from_pretrained(name_or_dir, local_files_only=True, **kwargs).eval()
+    return build(name_or_dir, **kwargs)
+
+
+def model_choice(value: str) -> str:
+    """argparse type for ``--model``: a zoo name or a local model directory."""
+    if value in available() or Path(value).is_dir():
+        return value
+    raise ValueError(f"{value!r} is neither a zoo model ({', '.join(available())}) nor a local directory")

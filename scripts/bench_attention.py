@@ -43,7 +43,7 @@ def decode_step(capacity: int, batch: int, length: int, seed: int = 0, page_size
     return cache, plan, k, v
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 512, 1024, 2048])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=PAGE)
     parser.add_argument("--quick", action="store_true", help="lengths 128 and 512, batch 1, 2 rounds")
     parser.add_argument("--out", default="results/attention")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
         args.lengths, args.batches, args.rounds, args.repeats = [128, 512], [1], 2, 5
 

@@ -46,13 +46,13 @@ def kv_bytes_per_token(config, dtype_bytes: int) -> int:
 
 def build_configs(model_name: str, max_len: int, page_size: int):
     """name -> (model, extra generate kwargs, kv bytes reserved(length))."""
-    stock = models.build(model_name)
+    stock = models.load(model_name)
     per_token = kv_bytes_per_token(stock.config, 4)
-    paged = flexpage.wrap(models.build(model_name), page_size=page_size, max_cached_tokens=max_len)
-    compiled_paged = flexpage.wrap(models.build(model_name), page_size=page_size, max_cached_tokens=max_len,
+    paged = flexpage.wrap(models.load(model_name), page_size=page_size, max_cached_tokens=max_len)
+    compiled_paged = flexpage.wrap(models.load(model_name), page_size=page_size, max_cached_tokens=max_len,
                                    compile_decode=True)
     pool_bytes = sum(layer.keys.numel() * 2 * layer.keys.element_size() for layer in paged._flexpage.cache.layers)
-    flex = models.build(model_name, attn_implementation="flex_attention")
+    flex = models.load(model_name, attn_implementation="flex_attention")
     compiled = CompileConfig(fullgraph=False, dynamic=False)
     compiled._compile_all_devices = True  # transformers only auto-compiles on accelerators otherwise
     return {
@@ -88,9 +88,10 @@ def run_once(model, ids, new_tokens, extra):
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=models.DEFAULT_MODEL, choices=models.available())
+    parser.add_argument("--model", default=models.DEFAULT_MODEL, type=models.model_choice,
+                        help=f"a zoo model ({', '.join(models.available())}) or a local save_pretrained directory")
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 512, 1024, 2048])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -102,7 +103,7 @@ def main() -> None:
     parser.add_argument("--probe-tolerance", type=float, default=1.5)
     parser.add_argument("--quick", action="store_true", help="llama-tiny, lengths 64 and 256, 8 new tokens, 2 repeats")
     parser.add_argument("--out", default="results")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
         args.model, args.lengths, args.new_tokens, args.repeats = "llama-tiny", [64, 256], 8, 2
 

@@ -58,7 +58,8 @@ def summary(name: str, seconds: float, outputs: list[int], ttft: list[float], **
     return {"config": name, "seconds": round(seconds, 3), "requests": len(outputs),
             "generated_tokens": sum(outputs), "tokens_per_s": round(sum(outputs) / seconds, 2),
             "requests_per_s": round(len(outputs) / seconds, 4),
-            "ttft_p50_s": round(percentile(ttft, 50), 3), "ttft_p99_s": round(percentile(ttft, 99), 3), **extra}
+            "ttft_mean_s": round(statistics.mean(ttft), 3), "ttft_p50_s": round(percentile(ttft, 50), 3),
+            "ttft_p99_s": round(percentile(ttft, 99), 3), **extra}
 
 
 def run_engine(engine: flexpage.Engine, prompts, outputs) -> tuple[dict, list]:
@@ -125,9 +126,10 @@ def run_continuous(model, prompts, outputs) -> dict:
     return summary("stock_continuous_batching", seconds, got, ttft, batch_size="auto")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=models.DEFAULT_MODEL, choices=models.available())
+    parser.add_argument("--model", default=models.DEFAULT_MODEL, type=models.model_choice,
+                        help=f"a zoo model ({', '.join(models.available())}) or a local save_pretrained directory")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prompt-range", type=int, nargs=2, default=[64, 2048])
     parser.add_argument("--output-range", type=int, nargs=2, default=[16, 256])
@@ -139,13 +141,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="llama-tiny, 8 requests of 16-200 tokens, 4-24 new")
     parser.add_argument("--out", default="results")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
         args.model, args.requests, args.prompt_range, args.output_range = "llama-tiny", 8, [16, 200], [4, 24]
         args.batch_sizes, args.engine_batch, args.max_tokens_per_step, args.max_cached_tokens = [1, 4], 8, 128, 4096
 
     def build():
-        model = models.build(args.model)
+        model = models.load(args.model)
         model.generation_config.eos_token_id = None  # fixed output lengths: no early stop anywhere
         return model
 

@@ -22,7 +22,7 @@ import flexpage  # noqa: E402
 import models  # noqa: E402
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=models.DEFAULT_MODEL, choices=models.available())
     parser.add_argument("--model-dir", help="a local directory saved with save_pretrained (overrides --model)")
@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--max-cached-tokens", type=int, default=8192)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     def load():
         if args.model_dir:

@@ -132,3 +132,29 @@ def test_bad_requests_are_rejected_alone(expected):
 def test_engine_rejects_a_budget_without_room_for_a_chunk():
     with pytest.raises(ValueError, match="max_tokens_per_step"):
         make_engine(max_batch_size=8, max_tokens_per_step=16)
+
+
+def test_a_failed_step_gives_its_slots_back_and_serving_resumes(expected, monkeypatch):
+    engine = make_engine()
+    for prompt, n in zip(workload()[:3], NEW_TOKENS[:3]):
+        engine.add_request(prompt, flexpage.SamplingParams(max_new_tokens=n))
+    real, calls = engine.model.forward, []
+
+    def fails_on_third_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("device lost")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", fails_on_third_step)
+    outputs: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    with pytest.raises(RuntimeError, match="device lost"):
+        for i, token in engine.run():
+            outputs[i].append(token)
+    pt = engine.cache.page_table
+    for seq in engine.scheduler.running:  # the page table holds exactly the computed tokens
+        assert pt.seq_lens[seq.row] == seq.num_computed
+    monkeypatch.undo()
+    for i, token in engine.run():
+        outputs[i].append(token)
+    assert [outputs[i] for i in range(3)] == expected[:3]

@@ -16,6 +16,8 @@ NUM_PAGES, PAGE_SIZE, ROWS, PAGES_PER_SEQ = 12, 16, 5, 8
 def snapshot(pt: PageTable):
     return (
         list(pt.free_pages),
+        list(pt.cached_pages),
+        dict(pt.page_keys),
         list(pt.ref_counts),
         copy.deepcopy(pt.seq_pages),
         list(pt.seq_lens),
@@ -37,13 +39,43 @@ class PageTableMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.pt = PageTable(NUM_PAGES, PAGE_SIZE, ROWS, PAGES_PER_SEQ)
-        self.written: dict[int, set[int]] = {}  # pages a row wrote tokens into (must be private)
+        self.tokens: dict[int, list[int]] = {}  # each row's token ids (what its pages hold)
+        self.page_content: dict[int, tuple] = {}  # what each page holds, by its slots' token ids
+        self.key_tokens: dict[bytes, tuple] = {}  # content key -> the tokens it names
+
+    def key(self, tokens: list[int], index: int) -> bytes:
+        """Content key of page ``index``: every token up to its end (exact, like the Engine's hash chain)."""
+        prefix = tuple(tokens[: (index + 1) * PAGE_SIZE])
+        key = repr(prefix).encode()
+        self.key_tokens[key] = prefix
+        return key
 
     @precondition(lambda self: len(self.pt.active_rows) < ROWS)
     @rule()
     def add(self):
         row = self.pt.add_sequence()
         assert self.pt.pages_of(row) == [] and self.pt.seq_lens[row] == 0
+        self.tokens[row] = []
+
+    @precondition(lambda self: len(self.pt.active_rows) < ROWS and self.pt.page_keys)
+    @rule(data=st.data(), extra=st.integers(0, 2))
+    def admit_with_cached_prefix(self, data, extra):
+        """A new row whose tokens start like a registered page chain (and maybe go on differently)."""
+        key = data.draw(st.sampled_from(sorted(self.pt.key_pages)))
+        tokens = list(self.key_tokens[key]) + [data.draw(st.integers(0, 3)) for _ in range(extra * PAGE_SIZE)]
+        pages = self.pt.lookup([self.key(tokens, i) for i in range(len(tokens) // PAGE_SIZE)])
+        row = self.pt.add_sequence()
+        self.pt.attach(row, pages)
+        self.tokens[row] = tokens[: len(pages) * PAGE_SIZE]
+        for i, page in enumerate(pages):  # a hit serves exactly the tokens asked for
+            assert self.page_content[page] == tuple(tokens[i * PAGE_SIZE : (i + 1) * PAGE_SIZE])
+
+    @precondition(lambda self: any(self.pt.seq_lens[r] >= PAGE_SIZE for r in self.pt.active_rows))
+    @rule(data=st.data())
+    def register_full_pages(self, data):
+        row = data.draw(st.sampled_from([r for r in self.pt.active_rows if self.pt.seq_lens[r] >= PAGE_SIZE]))
+        for i in range(self.pt.seq_lens[row] // PAGE_SIZE):
+            self.pt.register(row, i, self.key(self.tokens[row], i))
 
     @precondition(lambda self: self.pt.active_rows)
     @rule(data=st.data(), n=st.integers(0, 40))
@@ -59,23 +91,32 @@ class PageTableMachine(RuleBasedStateMachine):
             return
         for src, dst in copies:
             assert self.pt.ref_counts[src] >= 1 and self.pt.ref_counts[dst] == 1
+            self.page_content[dst] = self.page_content.get(src, ())  # the cache copies the page's K/V
         for row, count in zip(rows, counts):
             assert self.pt.seq_lens[row] == old_lens[row] + count
-            # every page this step writes into is owned by this row alone (copy-on-write)
             pages = self.pt.pages_of(row)
-            for pos in range(old_lens[row], old_lens[row] + count):
-                assert self.pt.ref_counts[pages[pos // PAGE_SIZE]] == 1
+            new = [data.draw(st.integers(0, 3)) for _ in range(count)]
+            for pos, token in zip(range(old_lens[row], old_lens[row] + count), new):
+                page = pages[pos // PAGE_SIZE]
+                # every page written into is this row's alone and not registered: shared pages never change
+                assert self.pt.ref_counts[page] == 1 and page not in self.pt.page_keys
+                content = list(self.page_content.get(page, ()))[: pos % PAGE_SIZE]
+                self.page_content[page] = tuple(content + [token])
+            self.tokens[row] = self.tokens[row] + new
 
     @precondition(lambda self: self.pt.active_rows)
     @rule(data=st.data())
     def free(self, data):
-        self.pt.free_sequence(data.draw(st.sampled_from(self.pt.active_rows)))
+        row = data.draw(st.sampled_from(self.pt.active_rows))
+        self.pt.free_sequence(row)
+        del self.tokens[row]
 
     @precondition(lambda self: self.pt.active_rows and len(self.pt.active_rows) < ROWS)
     @rule(data=st.data())
     def fork(self, data):
         src = data.draw(st.sampled_from(self.pt.active_rows))
         dst = self.pt.fork(src)
+        self.tokens[dst] = list(self.tokens[src])
         assert self.pt.pages_of(dst) == self.pt.pages_of(src)
         assert self.pt.seq_lens[dst] == self.pt.seq_lens[src]
 
@@ -87,9 +128,20 @@ class PageTableMachine(RuleBasedStateMachine):
             for page in pt.pages_of(row):
                 owners[page] += 1
         assert owners == pt.ref_counts
-        free = list(pt.free_pages)
-        assert len(free) == len(set(free))
-        assert set(free) == {p for p in range(NUM_PAGES) if owners[p] == 0}
+        free, cached = list(pt.free_pages), list(pt.cached_pages)
+        assert len(free) == len(set(free)) and not set(free) & set(cached)
+        assert set(free) | set(cached) == {p for p in range(NUM_PAGES) if owners[p] == 0}
+        assert set(cached) <= set(pt.page_keys)  # a cached page is a registered page nobody holds
+        assert {pt.key_pages[k] for k in pt.page_keys.values()} == set(pt.page_keys)
+
+    @invariant()
+    def rows_hold_their_tokens(self):
+        for row in self.pt.active_rows:
+            for i, page in enumerate(self.pt.pages_of(row)):
+                expect = tuple(self.tokens[row][i * PAGE_SIZE : (i + 1) * PAGE_SIZE])
+                assert self.page_content[page][: len(expect)] == expect
+        for page, key in self.pt.page_keys.items():
+            assert self.page_content[page] == self.key_tokens[key][-PAGE_SIZE:]
 
     @invariant()
     def device_mirrors_match_host(self):
@@ -104,11 +156,14 @@ class PageTableMachine(RuleBasedStateMachine):
                 assert pt.page_logical[page].item() == i
         for page in pt.free_pages:
             assert pt.page_logical[page].item() == -1
+        for page, key in pt.page_keys.items():  # cached pages keep their place in the sequence
+            assert pt.page_logical[page].item() == len(self.key_tokens[key]) // PAGE_SIZE - 1
 
     def teardown(self):
         for row in self.pt.active_rows:
             self.pt.free_sequence(row)
         assert self.pt.num_free_pages == NUM_PAGES and not any(self.pt.ref_counts)  # nothing leaked
+        assert len(self.pt.free_pages) + len(self.pt.cached_pages) == NUM_PAGES
 
 
 TestPageTableMachine = PageTableMachine.TestCase
@@ -197,3 +252,27 @@ def test_plan_slots_follow_pages_and_padding_goes_to_sink():
     assert plan.slots[1].tolist() == expect_a
     assert plan.slots[0].tolist() == expect_b
     assert plan.q_start.tolist() == [3 - 18, 0]
+
+
+def test_prefix_pages_are_reused_then_evicted_least_recent_first():
+    pt = PageTable(6, 16, 4)
+    a = pt.add_sequence()
+    pt.extend([a], [40])  # pages: 2 full + 1 partial
+    full = pt.pages_of(a)[:2]
+    for i in range(2):
+        pt.register(a, i, f"k{i}".encode())
+    with pytest.raises(ValueError, match="not full"):
+        pt.register(a, 2, b"k2")
+    pt.free_sequence(a)
+    assert pt.num_free_pages == 6 and list(pt.cached_pages) == full[::-1]  # the chain's tail goes first
+    b = pt.add_sequence()
+    assert pt.lookup([b"k0", b"k1", b"k2"]) == full and pt.lookup([b"k1"]) == [full[1]]
+    pt.attach(b, pt.lookup([b"k0"]))  # b shares the first page only
+    assert pt.seq_lens[b] == 16 and pt.ref_counts[full[0]] == 1 and list(pt.cached_pages) == [full[1]]
+    copies = pt.extend([b], [76])  # 5 more pages: the 4 free ones, then the cached page is evicted
+    assert copies == [] and full[1] in pt.pages_of(b) and pt.lookup([b"k0", b"k1"]) == [full[0]]
+    with pytest.raises(OutOfPagesError):
+        pt.extend([b], [40])
+    pt.truncate(b, 8)  # a write into the registered first page now goes to a private copy
+    (src, dst), = pt.extend([b], [1])
+    assert src == full[0] and pt.pages_of(b) == [dst] and full[0] in pt.cached_pages
