@@ -402,7 +402,7 @@ class PageTable:
         pages = self.seq_pages[row]
         src = pages[-1]
         dst = self._alloc()
-        self.ref_counts[src] -= 1
+        self._unref(src)  # a registered page this row held alone goes to the prefix cache
         pages[-1] = dst
         self.table[row, len(pages) - 1] = dst
         self.page_logical[dst] = len(pages) - 1

@@ -128,12 +128,16 @@ class Scheduler:
         for seq in self.running:
             if seq.num_pending > 1 and budget > 0:
                 take(seq)
+        computing = self._keys_being_computed()
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             rows = len(self.running) + sum(s.forks for s in self.running)  # samples still to fork need rows too
             if rows + 1 + seq.forks > self.max_batch_size:
                 break
             hit = self.cached_prefix(seq)
+            keys = seq.keys_upto(len(seq.tokens) - 1, page) if self.prefix_caching else []
+            if len(hit) < len(keys) and keys[len(hit)] in computing:
+                break  # a running request is computing its next page: wait a step and share it
             revived = sum(1 for p in hit if pt.ref_counts[p] == 0)  # cached pages it takes out of the free pool
             if cdiv(len(seq.tokens), page) - len(hit) + revived > free:  # admit only what the pool holds whole
                 break
@@ -146,7 +150,16 @@ class Scheduler:
                 free -= revived
             self.running.append(seq)
             take(seq)
+            computing.update(keys[len(hit) :])
         return batch
+
+    def _keys_being_computed(self) -> set[bytes]:
+        """Content keys of prompt pages that running requests have yet to register."""
+        if not self.prefix_caching:
+            return set()
+        page = self.page_table.page_size
+        return {key for s in self.running if s.num_pending > 1
+                for key in s.keys_upto(len(s.tokens) - 1, page)[s.num_registered :]}
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Registered pages holding the sequence's longest cached prefix; the last token is

@@ -90,8 +90,9 @@ def run_once(model, ids, new_tokens, extra):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=models.DEFAULT_MODEL, type=models.model_choice,
-                        help=f"a zoo model ({', '.join(models.available())}) or a local save_pretrained directory")
+    parser.add_argument("--model", type=models.model_choice,
+                        help=f"a zoo model ({', '.join(models.available())}) or a local save_pretrained directory "
+                             f"(default: {models.DEFAULT_MODEL}, llama-tiny with --quick)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 512, 1024, 2048])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -104,8 +105,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="llama-tiny, lengths 64 and 256, 8 new tokens, 2 repeats")
     parser.add_argument("--out", default="results")
     args = parser.parse_args(argv)
+    args.model = args.model or ("llama-tiny" if args.quick else models.DEFAULT_MODEL)
     if args.quick:
-        args.model, args.lengths, args.new_tokens, args.repeats = "llama-tiny", [64, 256], 8, 2
+        args.lengths, args.new_tokens, args.repeats = [64, 256], 8, 2
 
     max_len = max(args.lengths) + args.new_tokens
     configs = {k: v for k, v in build_configs(args.model, args.batch * max_len, args.page_size).items()

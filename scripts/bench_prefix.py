@@ -59,8 +59,9 @@ def run_engine(engine: flexpage.Engine, name: str, prompts, new_tokens: int) -> 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=models.DEFAULT_MODEL, type=models.model_choice,
-                        help=f"a zoo model ({', '.join(models.available())}) or a local save_pretrained directory")
+    parser.add_argument("--model", type=models.model_choice,
+                        help=f"a zoo model ({', '.join(models.available())}) or a local save_pretrained directory "
+                             f"(default: {models.DEFAULT_MODEL}, llama-tiny with --quick)")
     parser.add_argument("--prefix-len", type=int, default=1024)
     parser.add_argument("--question-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -71,8 +72,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="llama-tiny, 128-token prefix, 6 and 4 requests")
     parser.add_argument("--out", default="results")
     args = parser.parse_args(argv)
+    args.model = args.model or ("llama-tiny" if args.quick else models.DEFAULT_MODEL)
     if args.quick:
-        args.model, args.prefix_len, args.question_len, args.new_tokens = "llama-tiny", 128, 16, 8
+        args.prefix_len, args.question_len, args.new_tokens = 128, 16, 8
         args.requests, args.engine_batch, args.max_cached_tokens, args.stock_batch = [6, 4], 8, 4096, 4
 
     def build():

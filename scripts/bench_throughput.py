@@ -128,8 +128,9 @@ def run_continuous(model, prompts, outputs) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=models.DEFAULT_MODEL, type=models.model_choice,
-                        help=f"a zoo model ({', '.join(models.available())}) or a local save_pretrained directory")
+    parser.add_argument("--model", type=models.model_choice,
+                        help=f"a zoo model ({', '.join(models.available())}) or a local save_pretrained directory "
+                             f"(default: {models.DEFAULT_MODEL}, llama-tiny with --quick)")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prompt-range", type=int, nargs=2, default=[64, 2048])
     parser.add_argument("--output-range", type=int, nargs=2, default=[16, 256])
@@ -142,8 +143,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="llama-tiny, 8 requests of 16-200 tokens, 4-24 new")
     parser.add_argument("--out", default="results")
     args = parser.parse_args(argv)
+    args.model = args.model or ("llama-tiny" if args.quick else models.DEFAULT_MODEL)
     if args.quick:
-        args.model, args.requests, args.prompt_range, args.output_range = "llama-tiny", 8, [16, 200], [4, 24]
+        args.requests, args.prompt_range, args.output_range = 8, [16, 200], [4, 24]
         args.batch_sizes, args.engine_batch, args.max_tokens_per_step, args.max_cached_tokens = [1, 4], 8, 128, 4096
 
     def build():
