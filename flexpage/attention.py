@@ -23,9 +23,12 @@ def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa)
 # for both, which inductor's CPU template fails to compile.
 _compiled_flex_attention = torch.compile(_flex_attention, dynamic=False, fullgraph=True)
 # Each (batch, q_len, heads, pool, page size, mods) combination is its own static graph of
-# that one code object; dynamo's default limit of 8 graphs per code object is too few for a
-# process that serves several models or batch shapes, so we raise it (never lower it).
-torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+# that one code object: the Engine's region buckets alone are 8 per attention variant, and a
+# process may serve several models and pools. Dynamo's default limits (8 graphs per code
+# object, 256 in all) are too few for that, so we raise them (never lower them). A cache hit
+# moves its graph to the front of dynamo's list, so hot graphs stay cheap to find.
+torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 1024)
 
 
 def paged_attention(
