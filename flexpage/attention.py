@@ -10,6 +10,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from .masks import PackedBlockMask, ScoreMod
 from .pages import StepPlan
 
+
 def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa):
     return flex_attention(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
                           enable_gqa=enable_gqa)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence as Seq
+from typing import Any, Iterator
+from typing import Sequence as Seq
 
 import torch
 from tqdm.auto import tqdm

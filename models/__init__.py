@@ -63,3 +63,14 @@ def model_choice(value: str) -> str:
     if value in available() or Path(value).is_dir():
         return value
     raise ValueError(f"{value!r} is neither a zoo model ({', '.join(available())}) nor a local directory")
+
+
+def add_model_argument(parser) -> None:
+    """The benchmarks' ``--model``; resolve it with ``chosen_model`` (``--quick`` picks llama-tiny)."""
+    parser.add_argument("--model", type=model_choice,
+                        help=f"a zoo model ({', '.join(available())}) or a local save_pretrained directory "
+                             f"(default: {DEFAULT_MODEL}, llama-tiny with --quick)")
+
+
+def chosen_model(args) -> str:
+    return args.model or ("llama-tiny" if getattr(args, "quick", False) else DEFAULT_MODEL)

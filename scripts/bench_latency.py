@@ -90,9 +90,7 @@ def run_once(model, ids, new_tokens, extra):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=models.model_choice,
-                        help=f"a zoo model ({', '.join(models.available())}) or a local save_pretrained directory "
-                             f"(default: {models.DEFAULT_MODEL}, llama-tiny with --quick)")
+    models.add_model_argument(parser)
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 512, 1024, 2048])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -105,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="llama-tiny, lengths 64 and 256, 8 new tokens, 2 repeats")
     parser.add_argument("--out", default="results")
     args = parser.parse_args(argv)
-    args.model = args.model or ("llama-tiny" if args.quick else models.DEFAULT_MODEL)
+    args.model = models.chosen_model(args)
     if args.quick:
         args.lengths, args.new_tokens, args.repeats = [64, 256], 8, 2
 

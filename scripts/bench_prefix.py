@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 
 import flexpage  # noqa: E402
 import models  # noqa: E402
-from scripts.bench_throughput import percentile, run_continuous, run_padded  # noqa: E402
 from flexpage.benchmark import machine_info, matmul_probe_ms, write_records  # noqa: E402
+from scripts.bench_throughput import fixed_length_model, percentile, run_continuous, run_padded  # noqa: E402
 
 
 def scenario(prefix_len: int, requests: int, question_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -59,9 +59,7 @@ def run_engine(engine: flexpage.Engine, name: str, prompts, new_tokens: int) -> 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=models.model_choice,
-                        help=f"a zoo model ({', '.join(models.available())}) or a local save_pretrained directory "
-                             f"(default: {models.DEFAULT_MODEL}, llama-tiny with --quick)")
+    models.add_model_argument(parser)
     parser.add_argument("--prefix-len", type=int, default=1024)
     parser.add_argument("--question-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -72,21 +70,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="llama-tiny, 128-token prefix, 6 and 4 requests")
     parser.add_argument("--out", default="results")
     args = parser.parse_args(argv)
-    args.model = args.model or ("llama-tiny" if args.quick else models.DEFAULT_MODEL)
+    args.model = models.chosen_model(args)
     if args.quick:
         args.prefix_len, args.question_len, args.new_tokens = 128, 16, 8
         args.requests, args.engine_batch, args.max_cached_tokens, args.stock_batch = [6, 4], 8, 4096, 4
 
-    def build():
-        model = models.load(args.model)
-        model.generation_config.eos_token_id = None  # fixed output lengths
-        return model
-
-    stock = build()
+    stock = fixed_length_model(args.model)
     engines = {
-        "flexpage_prefix_caching": flexpage.Engine(build(), max_cached_tokens=args.max_cached_tokens,
+        "flexpage_prefix_caching": flexpage.Engine(fixed_length_model(args.model), max_cached_tokens=args.max_cached_tokens,
                                                    max_batch_size=args.engine_batch),
-        "flexpage_no_prefix_caching": flexpage.Engine(build(), max_cached_tokens=args.max_cached_tokens,
+        "flexpage_no_prefix_caching": flexpage.Engine(fixed_length_model(args.model),
+                                                      max_cached_tokens=args.max_cached_tokens,
                                                       max_batch_size=args.engine_batch, prefix_caching=False),
     }
     records, errors, probes = [], {}, [matmul_probe_ms()]

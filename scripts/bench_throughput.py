@@ -49,6 +49,13 @@ def make_workload(n: int, prompt_range: tuple[int, int], output_range: tuple[int
     return prompts, outputs
 
 
+def fixed_length_model(name: str):
+    """A model that never stops early (no EOS), so every configuration generates the same tokens."""
+    model = models.load(name)
+    model.generation_config.eos_token_id = None
+    return model
+
+
 def percentile(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]
@@ -82,7 +89,7 @@ def run_engine(engine: flexpage.Engine, prompts, outputs) -> tuple[dict, list]:
 def run_padded(model, prompts, outputs, batch_size: int) -> dict:
     """Stock generate() over fixed batches in arrival order, left-padded; each batch runs to its longest output."""
     start = time.perf_counter()
-    ttft, live_sum, reserved_sum, steps = [], 0, 0, 0
+    ttft, live_sum, steps = [], 0.0, 0
     for i in tqdm(range(0, len(prompts), batch_size), desc=f"stock b={batch_size}", leave=False):
         batch, news = prompts[i : i + batch_size], outputs[i : i + batch_size]
         width = max(len(p) for p in batch)
@@ -95,7 +102,7 @@ def run_padded(model, prompts, outputs, batch_size: int) -> dict:
         model.generate(ids, attention_mask=mask, max_new_tokens=max(news), min_new_tokens=max(news), do_sample=False,
                        pad_token_id=0, logits_processor=LogitsProcessorList([clock]))
         ttft += [clock.times[0] - start] * len(batch)
-        for t in range(1, max(news) + 1):  # the dense cache holds batch x (width + t); live are real tokens
+        for t in range(1, max(news) + 1):  # the dense cache holds batch x (width + t); live: the real tokens
             live_sum += sum(len(p) + min(t, n) for p, n in zip(batch, news)) / (len(batch) * (width + t))
             steps += 1
     return summary(f"stock_padded_b{batch_size}", time.perf_counter() - start, outputs, ttft, batch_size=batch_size,
@@ -128,9 +135,7 @@ def run_continuous(model, prompts, outputs) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=models.model_choice,
-                        help=f"a zoo model ({', '.join(models.available())}) or a local save_pretrained directory "
-                             f"(default: {models.DEFAULT_MODEL}, llama-tiny with --quick)")
+    models.add_model_argument(parser)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prompt-range", type=int, nargs=2, default=[64, 2048])
     parser.add_argument("--output-range", type=int, nargs=2, default=[16, 256])
@@ -143,17 +148,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="llama-tiny, 8 requests of 16-200 tokens, 4-24 new")
     parser.add_argument("--out", default="results")
     args = parser.parse_args(argv)
-    args.model = args.model or ("llama-tiny" if args.quick else models.DEFAULT_MODEL)
+    args.model = models.chosen_model(args)
     if args.quick:
         args.requests, args.prompt_range, args.output_range = 8, [16, 200], [4, 24]
         args.batch_sizes, args.engine_batch, args.max_tokens_per_step, args.max_cached_tokens = [1, 4], 8, 128, 4096
 
-    def build():
-        model = models.load(args.model)
-        model.generation_config.eos_token_id = None  # fixed output lengths: no early stop anywhere
-        return model
-
-    stock, paged = build(), build()
+    stock, paged = fixed_length_model(args.model), fixed_length_model(args.model)
     prompts, outputs = make_workload(args.requests, args.prompt_range, args.output_range, stock.config.vocab_size,
                                      args.seed)
     engine = flexpage.Engine(paged, page_size=args.page_size, max_cached_tokens=args.max_cached_tokens,
