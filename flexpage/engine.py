@@ -171,13 +171,19 @@ class Engine:
         options (``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed``,
         ``eos_token_id``, ``num_return_sequences``) apply to every prompt. With
         ``num_return_sequences=n`` sample ``j`` of prompt ``i`` is output ``i * n + j``, as in
-        ``generate()``."""
+        ``generate()``. Closing the stream early cancels its unfinished requests (pages freed)."""
         params = self._params(prompts, max_new_tokens, sampling)
         first = self._next_index
         for prompt, p in zip(prompts, params):
             self.add_request(prompt, p)
-        for index, token in self.run():
-            yield index - first, token
+        mine = range(first, self._next_index)
+        try:
+            for index, token in self.run():
+                if index in mine:
+                    yield index - first, token
+        finally:  # a consumer that stops early cancels what is left of its requests
+            for index in self.scheduler.abort(lambda seq: seq.index in mine):
+                self._sampling.pop(index, None)
 
     def generate(self, prompts: Seq[Seq[int] | str], max_new_tokens: int | Seq[int] = 16,
                  progress: bool = False, **sampling: Any) -> list[list[int]]:

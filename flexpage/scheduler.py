@@ -194,6 +194,14 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
+    def abort(self, doomed) -> list[int]:
+        """Drop every waiting or running sequence for which ``doomed(seq)``; returns their indices."""
+        dropped = [s for s in self.waiting if doomed(s)] + [s for s in self.running if doomed(s)]
+        self.waiting = deque(s for s in self.waiting if not doomed(s))
+        for seq in [s for s in self.running if doomed(s)]:
+            self.finish(seq)
+        return [s.index for s in dropped]
+
     def finish(self, seq: Sequence) -> None:
         self.cache.free_sequence(seq.row)
         self.running.remove(seq)

@@ -88,6 +88,15 @@ def test_stream_yields_each_token_as_produced(expected):
     assert switches > len(LENGTHS)  # requests' tokens interleave: they run together, not one after another
 
 
+def test_closing_a_stream_early_cancels_its_requests(expected):
+    engine = make_engine()
+    for count, _ in enumerate(engine.stream(workload(), max_new_tokens=list(NEW_TOKENS)), 1):
+        if count == 5:
+            break
+    assert not engine.scheduler.has_work and engine.cache.stats().pages_used == 0
+    assert engine.generate(workload()[:2], max_new_tokens=list(NEW_TOKENS[:2])) == expected[:2]
+
+
 def test_sampling_is_seeded_and_stops_at_eos(expected):
     engine = make_engine()
     prompts = workload()[:3]
