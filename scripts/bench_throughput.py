@@ -13,7 +13,9 @@ Reported per configuration: generated tokens/s, requests/s, time to first token 
 (from the run's start: every request arrives at once), KV utilisation (live / reserved
 slots, averaged over steps), peak pages, preemptions. The Engine runs the workload twice
 and reports the second (the first compiles its few region shapes; its time is reported as
-warm-up). Stock configurations get a short warm-up call.
+warm-up). Stock configurations get a short warm-up call. A small matmul probe runs between
+cells; a cell whose probe after it is ``--probe-tolerance`` x slower than the best probe seen
+ran during one of these VMs' slow spells and is run again (twice at most; ``remeasured``).
 
     python scripts/bench_throughput.py            # llama-small, 64 requests (~15 min)
     python scripts/bench_throughput.py --quick    # llama-tiny, 8 short requests, for CI
@@ -70,6 +72,7 @@ def summary(name: str, seconds: float, outputs: list[int], ttft: list[float], **
 
 
 def run_engine(engine: flexpage.Engine, prompts, outputs) -> tuple[dict, list]:
+    engine.cache.page_table.clear_prefix_cache()  # no run may reuse an earlier run's pages
     engine.reset_stats()
     start = time.perf_counter()
     results = engine.generate(prompts, max_new_tokens=outputs, progress=True)
@@ -82,6 +85,7 @@ def run_engine(engine: flexpage.Engine, prompts, outputs) -> tuple[dict, list]:
     record = summary("flexpage_engine", seconds, outputs, ttft, batch_size=engine.scheduler.max_batch_size,
                      kv_utilisation=round(stats.kv_utilisation, 4), peak_pages=stats.peak_pages_used,
                      pages_total=engine.cache.page_table.num_pages, preemptions=stats.preemptions,
+                     prefix_hit_tokens=stats.prefix_hit_tokens,
                      steps=stats.steps, compiled_shapes=stats.compiled_shapes)
     return record, trace
 
@@ -145,6 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-cached-tokens", type=int, default=65536)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--probe-tolerance", type=float, default=1.5,
+                        help="re-run a cell whose matmul probe after it is this much slower than the best probe")
     parser.add_argument("--quick", action="store_true", help="llama-tiny, 8 requests of 16-200 tokens, 4-24 new")
     parser.add_argument("--out", default="results")
     args = parser.parse_args(argv)
@@ -165,19 +171,28 @@ def main(argv: list[str] | None = None) -> None:
 
     records, errors = [], {}
     probes = [matmul_probe_ms()]
-    record, trace = run_engine(engine, prompts, outputs)
+
+    def measured(cell):
+        """Run a cell; run it again (twice at most) when the probe after it shows a slow spell."""
+        for attempt in range(3):
+            result = cell()
+            probes.append(matmul_probe_ms())
+            if probes[-1] <= args.probe_tolerance * min(probes) or attempt == 2:
+                break
+        record = result[0] if isinstance(result, tuple) else result
+        record.update(probe_after_ms=round(probes[-1], 3), remeasured=attempt)
+        return result
+
+    record, trace = measured(lambda: run_engine(engine, prompts, outputs))
     record["warmup_s"] = round(warmup, 2)
     records.append(record)
-    probes.append(matmul_probe_ms())
     for batch_size in args.batch_sizes:
-        records.append(run_padded(stock, prompts, outputs, batch_size))
-        probes.append(matmul_probe_ms())
+        records.append(measured(lambda b=batch_size: run_padded(stock, prompts, outputs, b)))
     try:
-        records.append(run_continuous(stock, prompts, outputs))
+        records.append(measured(lambda: run_continuous(stock, prompts, outputs)))
     except Exception as error:  # report, don't hide: the row says why it is missing
         errors["stock_continuous_batching"] = f"{type(error).__name__}: {error}"
         print("stock continuous batching failed:", errors["stock_continuous_batching"])
-    probes.append(matmul_probe_ms())
 
     best_padded = max((r for r in records if r["config"].startswith("stock_padded")), key=lambda r: r["tokens_per_s"])
     for r in records:

@@ -111,6 +111,16 @@ def test_sampling_is_seeded_and_stops_at_eos(expected):
     assert engine.generate(workload()[:1], max_new_tokens=12, eos_token_id=eos)[0] == expected[0][:stop]
 
 
+def test_string_prompts_go_through_the_tokenizer(expected):
+    prompts = workload()
+
+    def tokenizer(text):  # stands in for a transformers tokenizer: text -> {"input_ids": [...]}
+        return {"input_ids": prompts[int(text)]}
+
+    engine = make_engine(tokenizer=tokenizer)
+    assert engine.generate(["0", "1"], max_new_tokens=list(NEW_TOKENS[:2])) == expected[:2]
+
+
 def test_bad_requests_are_rejected_alone(expected):
     engine = make_engine(max_cached_tokens=512)
     prompts = workload()

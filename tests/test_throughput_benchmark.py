@@ -25,6 +25,7 @@ def test_quick_throughput_benchmark(tmp_path):
         assert r["generated_tokens"] == total  # every configuration served the whole workload
     engine = records["flexpage_engine"]
     assert 0 < engine["kv_utilisation"] <= 1 and 0 < engine["peak_pages"] <= engine["pages_total"]
+    assert engine["prefix_hit_tokens"] == 0  # distinct random prompts; the warm-up run's pages are not reused
     trace = json.loads((tmp_path / "throughput_kv_trace.json").read_text())["records"]
     assert len(trace) == engine["steps"] and all(0 < t["kv_utilisation"] <= 1 for t in trace)
     for name in ("throughput.csv", "throughput_kv_trace.csv", "throughput_vs_batch.png", "throughput_kv_utilisation.png"):
