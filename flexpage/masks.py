@@ -323,11 +323,18 @@ class PackedBlockMask(BlockMask):
         step and variant, shared by every layer that asks."""
         key = (window, cap)
         if key not in self._variants:
-            self._variants[key] = _packed_regions(self.page_table, self.plan, window, cap)
+            if cap is None:
+                self._variants[key] = _packed_regions(self.page_table, self.plan, window)
+            else:  # the same block metadata as without soft-capping, plus the score mod
+                rows, pos = self.plan.tok_rows, self.plan.tok_pos
+                self._variants[key] = [
+                    (start, end, mask, packed_score_mod(self.page_table, rows[start:end], pos[start:end], softcap(cap)))
+                    for start, end, mask, _ in self.regions(window)
+                ]
         return self._variants[key]
 
 
-def _packed_regions(page_table: PageTable, plan: PackedPlan, window: int | None, cap: float | None = None):
+def _packed_regions(page_table: PageTable, plan: PackedPlan, window: int | None):
     mask_mod = None if window is None else sliding_window(window)
     regions = []
     for start, end, q_block in ((0, plan.decode_len, 1), (plan.decode_len, plan.q_len, plan.chunk_block)):
@@ -345,8 +352,7 @@ def _packed_regions(page_table: PageTable, plan: PackedPlan, window: int | None,
             seq_lengths=(end - start, (page_table.num_pages + 1) * page_table.page_size),
             compute_q_blocks=False,
         )
-        score_mod = None if cap is None else packed_score_mod(page_table, rows, pos, softcap(cap))
-        regions.append((start, end, block_mask, score_mod))
+        regions.append((start, end, block_mask, None))
     return regions
 
 
