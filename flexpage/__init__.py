@@ -1,16 +1,17 @@
 """flexpage: a global paged KV cache for PyTorch models, served through FlexAttention."""
 
 from . import masks
-from .attention import fresh_prefill_attention, packed_attention, paged_attention
+from .attention import decode_attention, fresh_prefill_attention, packed_attention, paged_attention
 from .cache import CacheStats, PagedKVCache
 from .engine import Engine, EngineStats, SamplingParams
 from .errors import FlexpageError, InvalidRequestError, OutOfPagesError, UnsupportedModelError
 from .hf import unwrap, wrap
-from .masks import PackedBlockMask, PagedBlockMask, build_block_mask, paged_mask_mod, paged_score_mod
+from .masks import DecodeKV, PackedBlockMask, PagedBlockMask, build_block_mask, paged_mask_mod, paged_score_mod
 from .pages import PackedPlan, PageTable, StepPlan
 
 __all__ = [
     "CacheStats",
+    "DecodeKV",
     "Engine",
     "EngineStats",
     "FlexpageError",
@@ -25,6 +26,7 @@ __all__ = [
     "StepPlan",
     "UnsupportedModelError",
     "build_block_mask",
+    "decode_attention",
     "fresh_prefill_attention",
     "masks",
     "packed_attention",

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from .masks import PackedBlockMask, ScoreMod
+from .masks import DecodeKV, PackedBlockMask, ScoreMod
 from .pages import StepPlan
 
 
@@ -97,14 +97,37 @@ def fresh_prefill_attention(
     slots = plan.slots[:, plan.q_len - q :]  # [B, q]
     keys = key_pool[0][:, slots].transpose(0, 1)  # [B, Hkv, q, D]
     values = value_pool[0][:, slots].transpose(0, 1)
+    gqa = query.shape[1] != keys.shape[1]
+    if window is None and plan.max_new == q and all(n == q for n in plan.row_lens):  # no padding: plain causal
+        return F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
     i = torch.arange(q, device=query.device)
     real_key = i[None, :] >= q - plan.kv_lens.to(query.device)[:, None]  # [B, q]: not padding
     allowed = (i[:, None] >= i[None, :]) & real_key[:, None, :]  # causal, over real keys
     if window is not None:
         allowed &= i[:, None] - i[None, :] < window
     allowed |= torch.eye(q, dtype=torch.bool, device=query.device)
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed[:, None], scale=scale, enable_gqa=gqa)
+
+
+def decode_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, kv: DecodeKV,
+                     scale: float | None = None) -> Tensor:
+    """Decode attention by SDPA over each row's keys gathered from the pools.
+
+    ``query`` is ``[B, Hq, 1, D]``; ``kv`` (``PagedBlockMask.decode_kv``) names the slots of
+    every row's visible keys. A single row stored in consecutive slots is attended in place
+    (a slice of the pool, no copy). On CPU this beats FlexAttention's C++ template for one
+    query per row: SDPA's kernel is faster and an eager call skips the compiled call's
+    per-call dispatch, which at batch 1 costs more than the attention itself.
+    """
+    if kv.start is not None:
+        keys = key_pool[:, :, kv.start : kv.start + kv.width]
+        values = value_pool[:, :, kv.start : kv.start + kv.width]
+    else:
+        batch, flat = kv.slots.shape[0], kv.slots.reshape(-1)
+        keys = key_pool[0].index_select(1, flat).unflatten(1, (batch, kv.width)).transpose(0, 1)
+        values = value_pool[0].index_select(1, flat).unflatten(1, (batch, kv.width)).transpose(0, 1)
     return F.scaled_dot_product_attention(
-        query, keys, values, attn_mask=allowed[:, None], scale=scale, enable_gqa=query.shape[1] != keys.shape[1]
+        query, keys, values, attn_mask=kv.valid, scale=scale, enable_gqa=query.shape[1] != keys.shape[1]
     )
 
 

@@ -67,7 +67,8 @@ class PagedLayer(CacheLayerMixin):
         flat = slots.reshape(-1).to(self.device)
         for pool, states in ((self.keys, key_states), (self.values, value_states)):
             b, h, q, d = states.shape
-            pool[0].index_copy_(1, flat, states.to(pool.dtype).transpose(0, 1).reshape(h, b * q, d))
+            rows = states[0] if b == 1 else states.transpose(0, 1).reshape(h, b * q, d)
+            pool[0].index_copy_(1, flat, rows.to(pool.dtype))
 
     def copy_page(self, src: int, dst: int, page_size: int) -> None:
         for pool in (self.keys, self.values):

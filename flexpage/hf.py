@@ -28,7 +28,7 @@ from transformers import CompileConfig, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from .attention import fresh_prefill_attention, packed_attention, paged_attention
+from .attention import decode_attention, fresh_prefill_attention, packed_attention, paged_attention
 from .cache import PagedKVCache
 from .errors import UnsupportedModelError
 from .masks import PackedBlockMask, PagedBlockMask
@@ -190,7 +190,7 @@ def paged_step_mask(cache: PagedKVCache, inputs: torch.Tensor, attention_mask: t
     batch, q_len = inputs.shape[:2]
     counts = new_token_counts(attention_mask, batch, q_len)
     plan = cache.begin_batch_step(counts, bucket(q_len), positions=q_len)
-    return PagedBlockMask.for_step(cache.page_table, plan)
+    return PagedBlockMask.for_step(cache.page_table, plan, lazy=not cache.is_compileable)
 
 
 def _begin_paged_step(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -243,6 +243,9 @@ def _make_attention(stock: str):
         plan = attention_mask.plan
         if plan.fresh and plan.q_len > 1 and softcap is None:
             out = fresh_prefill_attention(query, key, value, plan, window, scale=scaling)
+            return out.transpose(1, 2).contiguous(), None
+        if plan.q_len == 1 and softcap is None and query.device.type == "cpu" and not torch.compiler.is_compiling():
+            out = decode_attention(query, key, value, attention_mask.decode_kv(window), scale=scaling)
             return out.transpose(1, 2).contiguous(), None
         pad = plan.q_len - query.shape[2]
         out = paged_attention(

@@ -13,13 +13,14 @@ positions in the sequence) and is usable with plain FlexAttention too.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from .pages import PackedPlan, PageTable, StepPlan
+from .pages import PackedPlan, PageTable, StepPlan, cdiv
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -170,28 +171,46 @@ def build_block_mask(
 
 
 class PagedBlockMask(BlockMask):
-    """A step's causal BlockMask that also carries its page table and plan.
+    """A step's causal mask: its page table and plan, with FlexAttention metadata on demand.
 
-    Built once per forward and handed to every layer as the attention mask; layers that need
-    another variant (a sliding window, a soft-cap score mod) get it from here, built once per
-    step and shared by every layer that asks.
+    Built once per forward and handed to every layer as the attention mask (transformers
+    passes a 4-D BlockMask through untouched). The block metadata is computed the first time
+    a layer needs FlexAttention (``with_window``); a step whose layers all take another
+    kernel (SDPA for a CPU decode step, see ``decode_kv``) never builds it. Every variant a
+    layer asks for (sliding window, soft-cap score mod, gathered K/V) is built once per step
+    and shared by every layer that asks.
     """
 
     page_table: PageTable
     plan: StepPlan
 
     @classmethod
-    def for_step(cls, page_table: PageTable, plan: StepPlan) -> "PagedBlockMask":
-        mask = _build(cls, page_table, plan, None, Q_BLOCK_SIZE)
+    def for_step(cls, page_table: PageTable, plan: StepPlan, lazy: bool = True) -> "PagedBlockMask":
+        """The step's mask; ``lazy=False`` builds the FlexAttention metadata now (a compiled
+        forward must receive it ready, not build it while being traced)."""
+        mask = cls.__new__(cls)
         mask.page_table, mask.plan, mask._variants = page_table, plan, {}
+        mask.seq_lengths = (plan.q_len, (page_table.num_pages + 1) * page_table.page_size)
+        mask.BLOCK_SIZE = (Q_BLOCK_SIZE, page_table.page_size)
+        if not lazy:
+            mask.with_window(None)
         return mask
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.plan.row_ids), 1, *self.seq_lengths)
+
+    def __getattr__(self, name: str):
+        # BlockMask attributes (kv_indices, mask_mod, ...) come from the built causal mask.
+        if name.startswith("_") or name in ("page_table", "plan"):
+            raise AttributeError(name)
+        return getattr(self.with_window(None), name)
+
     def with_window(self, window: int | None) -> BlockMask:
-        """This step's mask, restricted to a causal sliding window of ``window`` tokens."""
-        if window is None:
-            return self
+        """This step's causal BlockMask, restricted to a sliding window of ``window`` tokens."""
         if ("window", window) not in self._variants:
-            self._variants["window", window] = build_block_mask(self.page_table, self.plan, sliding_window(window))
+            mask_mod = None if window is None else sliding_window(window)
+            self._variants["window", window] = _build(BlockMask, self.page_table, self.plan, mask_mod, Q_BLOCK_SIZE)
         return self._variants["window", window]
 
     def softcap_mod(self, cap: float | None) -> ScoreMod | None:
@@ -201,6 +220,48 @@ class PagedBlockMask(BlockMask):
         if ("softcap", cap) not in self._variants:
             self._variants["softcap", cap] = paged_score_mod(self.page_table, self.plan, softcap(cap))
         return self._variants["softcap", cap]
+
+    def decode_kv(self, window: int | None = None) -> "DecodeKV":
+        """Where a decode step's keys live, for attention over gathered K/V (``DecodeKV``)."""
+        if ("decode_kv", window) not in self._variants:
+            self._variants["decode_kv", window] = DecodeKV.for_step(self.page_table, self.plan, window)
+        return self._variants["decode_kv", window]
+
+
+@dataclass(frozen=True)
+class DecodeKV:
+    """The slots a decode step's queries attend, one right-aligned row of ``width`` keys per
+    batch row: ``slots[b, j]`` holds position ``kv_lens[b] - width + j`` (the step's own token
+    last). ``valid`` masks the columns before a shorter row's first visible token (None when
+    every row sees ``width`` keys). A single row whose keys fill consecutive slots is a plain
+    slice of the pool, ``start:start + width``, and needs no gather at all.
+    """
+
+    width: int
+    start: int | None  # first slot of a single row stored contiguously, else None
+    slots: Tensor | None  # [B, width] int64 pool slots (None when ``start`` is set)
+    valid: Tensor | None  # [B, 1, 1, width] bool, or None when every key is real
+
+    @classmethod
+    def for_step(cls, page_table: PageTable, plan: StepPlan, window: int | None) -> "DecodeKV":
+        page = page_table.page_size
+        lens = plan.row_lens
+        firsts = [0 if window is None else max(0, n - window) for n in lens]
+        width = max(n - f for n, f in zip(lens, firsts))
+        if len(lens) == 1:
+            pages = page_table.seq_pages[plan.row_ids[0]][firsts[0] // page : cdiv(lens[0], page)]
+            if pages == list(range(pages[0], pages[0] + len(pages))):
+                return cls(width, pages[0] * page + firsts[0] % page, None, None)
+        device = page_table.device
+        positions = plan.kv_lens[:, None].long() - width + torch.arange(width, device=device)  # [B, width]
+        first = torch.tensor(firsts, device=device)[:, None]
+        table = page_table.table[plan.rows].long()
+        pos = positions.clamp_min(0)
+        slots = table.gather(1, pos // page) * page + pos % page
+        valid = positions >= first
+        slots = torch.where(valid, slots, page_table.sink_slot)
+        uniform = all(n - f == width for n, f in zip(lens, firsts))
+        return cls(width, None, slots, None if uniform else valid[:, None, None, :])
 
 
 def _build(cls, page_table: PageTable, plan: StepPlan, mask_mod: MaskMod | None, q_block_size: int):

@@ -31,6 +31,8 @@ class StepPlan:
     """
 
     rows: torch.Tensor  # [B] int64, page-table rows of the batch, in batch order
+    row_ids: tuple[int, ...]  # the same rows, on the host
+    row_lens: tuple[int, ...]  # kv_lens, on the host
     q_start: torch.Tensor  # [B] int32, logical position of query index 0 (negative if padded)
     kv_lens: torch.Tensor  # [B] int32, tokens in the cache once this step is written
     slots: torch.Tensor  # [B, q_len] int64, pool slot of each query token
@@ -175,6 +177,8 @@ class PageTable:
         self.seq_lens[row] = 0
         self.table[row] = -1
         self.lens[row] = 0
+        if len(self.free_pages) == self.num_pages:  # an empty pool hands out pages in order again,
+            self.free_pages = deque(range(self.num_pages))  # so a lone sequence's K/V stay contiguous
 
     def fork(self, src: int, dst: int | None = None) -> int:
         """New row sharing every page of ``src`` (each gains a reference)."""
@@ -273,18 +277,19 @@ class PageTable:
         q_len = max(new_tokens) if q_len is None else q_len
         if q_len < max(new_tokens, default=0):
             raise ValueError(f"q_len={q_len} is shorter than the longest row ({max(new_tokens)} tokens)")
-        device = self.device
-        rows_t = torch.tensor(list(rows), dtype=torch.int64, device=device)
-        kv_lens = self.lens[rows_t]
-        new_t = torch.tensor(list(new_tokens), dtype=torch.int32, device=device)
-        q_start = kv_lens - q_len
-        positions = q_start[:, None] + torch.arange(q_len, dtype=torch.int32, device=device)  # [B, Q]
-        real = positions >= (kv_lens - new_t)[:, None]
-        pos = positions.clamp_min(0)
-        pages = self.table[rows_t].gather(1, (pos // self.page_size).long()).long()
-        slots = torch.where(real, pages * self.page_size + (pos % self.page_size), self.sink_slot)
-        fresh = all(self.seq_lens[r] == n for r, n in zip(rows, new_tokens))
-        return StepPlan(rows=rows_t, q_start=q_start, kv_lens=kv_lens, slots=slots, q_len=q_len,
+        # Computed on the host from the page lists: one tensor per field, whatever the batch,
+        # costs less per step than the equivalent chain of small device ops.
+        lens = [self.seq_lens[r] for r in rows]
+        slots = []
+        for row, length, n in zip(rows, lens, new_tokens):
+            pages, page = self.seq_pages[row], self.page_size
+            slots += [self.sink_slot] * (q_len - n)
+            slots += [pages[p // page] * page + p % page for p in range(length - n, length)]
+        rows_t, kv_lens = self._tensor(list(rows)), self._tensor(lens, torch.int32)
+        q_start = self._tensor([n - q_len for n in lens], torch.int32)
+        slots = self._tensor(slots).view(len(lens), q_len)
+        fresh = all(length == n for length, n in zip(lens, new_tokens))
+        return StepPlan(rows=rows_t, row_ids=tuple(rows), row_lens=tuple(lens), q_start=q_start, kv_lens=kv_lens, slots=slots, q_len=q_len,
                         max_new=max(new_tokens, default=0), fresh=fresh)
 
     # ------------------------------------------------------------------ prefix cache
@@ -361,17 +366,20 @@ class PageTable:
             self.seq_pages[r][p // self.page_size] * self.page_size + p % self.page_size if p >= 0 else self.sink_slot
             for r, p in zip(rows, positions)
         ]
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64).to(self.device)  # noqa: E731
         return PackedPlan(
-            slots=as_tensor(slots)[None],
-            tok_rows=as_tensor(rows),
-            tok_pos=as_tensor(positions),
+            slots=self._tensor(slots)[None],
+            tok_rows=self._tensor(rows),
+            tok_pos=self._tensor(positions),
             decode_len=decode_len,
             chunk_block=chunk_block,
             q_len=q_len,
         )
 
     # ------------------------------------------------------------------ internals
+    def _tensor(self, values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """Host values as a tensor on the table's device (built on the host, one copy)."""
+        return torch.tensor(values, dtype=dtype).to(self.device)
+
     def _length(self, row: int) -> int:
         self._pages(row)
         return self.seq_lens[row]

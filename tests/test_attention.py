@@ -195,3 +195,51 @@ def test_fresh_prefill_attention_matches_sdpa(window):
     plan, _ = write_step(cache, ROWS, [k[:, :1] for k in keys], [v[:, :1] for v in values])
     with pytest.raises(ValueError, match="no tokens before"):
         flexpage.fresh_prefill_attention(query[:, :, :1], kp, vp, plan)
+
+
+@pytest.mark.parametrize("window", [None, 24])
+@settings(max_examples=8, deadline=None)
+@given(contexts=st.lists(st.integers(0, 300) | st.sampled_from([0, 15, 16, 23, 24]), min_size=3, max_size=3),
+       seed=st.integers(0, 2**16))
+def test_decode_attention_matches_sdpa(window, contexts, seed):
+    """CPU decode steps attend gathered pages with SDPA: rows of any length, shuffled pool."""
+    torch.manual_seed(seed)
+    cache = make_cache(16, 3 * 20 + 5, 2, HEAD_DIM, seed=seed)
+    for row in ROWS:
+        cache.add_sequence(row)
+    keys = [torch.randn(2, c + 1, HEAD_DIM) for c in contexts]
+    values = [torch.randn(2, c + 1, HEAD_DIM) for c in contexts]
+    if any(contexts):
+        write_step(cache, ROWS, [k[:, :-1] for k in keys], [v[:, :-1] for v in values])
+    plan, (kp, vp) = write_step(cache, ROWS, [k[:, -1:] for k in keys], [v[:, -1:] for v in values])
+    query = torch.randn(3, 8, 1, HEAD_DIM)
+    kv = flexpage.PagedBlockMask.for_step(cache.page_table, plan).decode_kv(window)
+    out = flexpage.decode_attention(query, kp, vp, kv)
+    mod = masks.sliding_window(window) if window else None
+    for b, c in enumerate(contexts):
+        ref = reference_attention(query[b], keys[b], values[b], torch.tensor([c]), b, mod)
+        assert (out[b] - ref).abs().max() <= 1e-5
+
+
+def test_decode_attention_reads_a_lone_contiguous_row_in_place():
+    cache = flexpage.PagedKVCache(num_layers=1, num_kv_heads=2, head_dim=HEAD_DIM, page_size=16, num_pages=32,
+                                  max_batch_size=2)
+    row = cache.add_sequence()
+    k, v = torch.randn(2, 2, 50, HEAD_DIM)
+    write_step(cache, [row], [k[:, :49]], [v[:, :49]])
+    plan, (kp, vp) = write_step(cache, [row], [k[:, 49:]], [v[:, 49:]])
+    kv = flexpage.PagedBlockMask.for_step(cache.page_table, plan).decode_kv(24)
+    assert kv.slots is None and kv.start == 26 and kv.width == 24  # the last 24 tokens, a slice of the pool
+    query = torch.randn(1, 8, 1, HEAD_DIM)
+    ref = reference_attention(query[0], k, v, torch.tensor([49]), 0, masks.sliding_window(24))
+    assert (flexpage.decode_attention(query, kp, vp, kv)[0] - ref).abs().max() <= 1e-5
+
+
+def test_fresh_prefill_without_padding_is_plain_causal_attention():
+    cache = make_cache(16, 40, 2, HEAD_DIM)
+    row = cache.add_sequence()
+    k, v = torch.randn(2, 2, 100, HEAD_DIM)
+    plan, (kp, vp) = write_step(cache, [row], [k], [v])
+    query = torch.randn(1, 8, 100, HEAD_DIM)
+    ref = reference_attention(query[0], k, v, torch.arange(100), 0)
+    assert (flexpage.fresh_prefill_attention(query, kp, vp, plan)[0] - ref).abs().max() <= 1e-5

@@ -29,10 +29,10 @@ def prompts(lengths=PROMPT_LENGTHS, seed=0):
 
 @pytest.fixture
 def paged_calls(monkeypatch):
-    """Counts calls of flexpage's attention kernels (paged, and SDPA for prefills from scratch),
-    to prove the paged path ran."""
+    """Counts calls of flexpage's attention kernels (paged FlexAttention, SDPA for prefills from
+    scratch, SDPA over gathered pages for CPU decode steps), to prove the paged path ran."""
     calls = []
-    for name in ("paged_attention", "fresh_prefill_attention"):
+    for name in ("paged_attention", "fresh_prefill_attention", "decode_attention"):
         real = getattr(flexpage_hf, name)
 
         def counting(*args, _real=real, **kwargs):
