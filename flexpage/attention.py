@@ -142,18 +142,39 @@ def packed_attention(
 ) -> Tensor:
     """Attention of a ragged step's packed ``query`` ``[1, Hq, T, D]`` over the pools.
 
-    Each region of the step (decode tokens, prefill chunks) is one compiled FlexAttention
-    call with its own query-block size; ``window`` and ``cap`` select the layer's variant
-    (sliding window, logit soft-cap). Returns ``[1, Hq, T, Dv]``.
+    The step's prefill chunks are one compiled FlexAttention call; its decode tokens are
+    attended as a batch of one-token rows, by SDPA over gathered pages where that is the
+    faster kernel (``gathered_decode``), else by one compiled FlexAttention call with
+    one-token query blocks. ``window`` and ``cap`` select the layer's variant (sliding window,
+    logit soft-cap). Returns ``[1, Hq, T, Dv]``.
     """
-    if query.shape[0] != 1 or query.dim() != 4 or query.shape[2] != block_mask.plan.q_len:
-        raise ValueError(
-            f"a packed step takes a query of shape (1, heads, {block_mask.plan.q_len}, dim), got {tuple(query.shape)}"
-        )
-    # Each region's query is made contiguous so its compiled graph depends on the region's
-    # own size only, not on the size of the step it was cut from.
-    outputs = [
-        paged_attention(query[:, :, start:end].contiguous(), key_pool, value_pool, region_mask, score_mod, scale)
-        for start, end, region_mask, score_mod in block_mask.regions(window, cap)
-    ]
+    plan = block_mask.plan
+    if query.shape[0] != 1 or query.dim() != 4 or query.shape[2] != plan.q_len:
+        raise ValueError(f"a packed step takes a query of shape (1, heads, {plan.q_len}, dim), got {tuple(query.shape)}")
+    outputs = []
+    if plan.decode_len and gathered_decode(query.device, cap):
+        real = len(plan.decode_rows)
+        if real:
+            rows = query[0, :, :real].transpose(0, 1).unsqueeze(2)  # [decode tokens, Hq, 1, D]
+            out = decode_attention(rows, key_pool, value_pool, block_mask.decode_kv(window), scale)
+            outputs.append(out.squeeze(2).transpose(0, 1)[None])
+        if real < plan.decode_len:  # bucket padding: its outputs are never read
+            outputs.append(query.new_zeros(1, query.shape[1], plan.decode_len - real, value_pool.shape[-1]))
+    elif plan.decode_len:
+        outputs.append(_region_attention(query, key_pool, value_pool, block_mask.region("decode", window, cap), scale))
+    if plan.q_len > plan.decode_len:
+        outputs.append(_region_attention(query, key_pool, value_pool, block_mask.region("chunk", window, cap), scale))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+
+def gathered_decode(device: torch.device, cap: float | None) -> bool:
+    """Whether decode queries are attended by SDPA over gathered pages (``decode_attention``):
+    on CPU, eagerly, for layers without a score mod (SDPA has none)."""
+    return cap is None and device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _region_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, region, scale: float | None) -> Tensor:
+    # The region's query is made contiguous so its compiled graph depends on the region's own
+    # size only, not on the size of the step it was cut from.
+    start, end, mask, score_mod = region
+    return paged_attention(query[:, :, start:end].contiguous(), key_pool, value_pool, mask, score_mod, scale)

@@ -25,13 +25,15 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from .errors import InvalidRequestError
+from .errors import InvalidRequestError, OutOfPagesError
+from .attention import gathered_decode
 from .hf import wrap
 from .masks import PackedBlockMask
 from .pages import cdiv
 from .scheduler import Scheduler, Sequence
 
 CHUNK_BLOCK = 16  # query block of prefill chunks (Triton's smallest tile); decode blocks are 1 token
+MIN_CHUNK_REGION = 64  # the smallest chunk-region bucket
 
 
 @dataclass(frozen=True)
@@ -78,8 +80,8 @@ class SamplingParams:
 class EngineStats:
     steps: int
     forward_launches: int  # model forwards (one per step)
-    attention_calls: int  # compiled attention calls per layer, summed over steps (one per step region)
-    compiled_shapes: int  # distinct region shapes (each one compiled attention graph per layer variant)
+    attention_calls: int  # attention calls per layer, summed over steps (one per step region)
+    compiled_shapes: int  # distinct compiled region shapes used (each one graph per layer variant)
     preemptions: int
     peak_pages_used: int
     kv_utilisation: float  # live tokens / reserved page slots, averaged over steps
@@ -87,6 +89,7 @@ class EngineStats:
     prefix_hit_tokens: int  # prompt tokens served from the prefix cache instead of computed
     tokens_generated: int
     seconds: float
+    warmup_seconds: float  # compiling every step shape (``Engine.warmup``), outside ``seconds``
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,9 @@ class Engine:
 
     ``max_batch_size`` sequences run at once; a step feeds at most ``max_tokens_per_step``
     tokens (decode tokens plus prefill chunks). The model is wrapped with ``flexpage.wrap``
-    (its ``generate()`` is paged too; don't call it while the engine is serving).
+    (its ``generate()`` is paged too; don't call it while the engine is serving). With
+    ``warmup`` (the default) every step shape is compiled when the engine is built
+    (``warmup()``), so serving never waits on a compile.
     """
 
     def __init__(
@@ -118,6 +123,7 @@ class Engine:
         max_seq_len: int | None = None,
         tokenizer: Any = None,
         prefix_caching: bool = True,
+        warmup: bool = True,
     ) -> None:
         if max_tokens_per_step < max_batch_size + CHUNK_BLOCK:
             raise ValueError(
@@ -129,9 +135,13 @@ class Engine:
         self.cache = model._flexpage.cache
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(self.cache, max_batch_size, max_tokens_per_step, CHUNK_BLOCK, prefix_caching)
+        self._exact_decode = gathered_decode(self.model.device, getattr(model.config, "attn_logit_softcapping", None))
+        self.warmup_seconds = 0.0
         self._sampling: dict[int, tuple[SamplingParams, torch.Generator | None]] = {}
         self._next_index = 0
         self.reset_stats()
+        if warmup:
+            self.warmup()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: Seq[int] | str, params: SamplingParams | None = None) -> int:
@@ -211,35 +221,23 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        decode_len = _bucket(len(batch.decode), 4) if batch.decode else 0
+        decode_len = self._decode_len(len(batch.decode))
         aligned = sum(cdiv(n, CHUNK_BLOCK) * CHUNK_BLOCK for _, n in batch.chunks)
-        chunk_len = _bucket(aligned, 64) if aligned else 0
+        chunk_len = _bucket(aligned, MIN_CHUNK_REGION) if aligned else 0
         plan = self.cache.begin_packed_step(
             [s.row for s in batch.decode], [(s.row, n) for s, n in batch.chunks], decode_len, chunk_len, CHUNK_BLOCK
         )
-        ids = torch.zeros(plan.q_len, dtype=torch.long)
-        keep, sampled = [], []  # positions whose logits pick a token, and their sequences
-        for i, seq in enumerate(batch.decode):
-            ids[i] = seq.tokens[-1]
-            keep.append(i)
-            sampled.append(seq)
-        at = decode_len
+        ids = [seq.tokens[-1] for seq in batch.decode] + [0] * (decode_len - len(batch.decode))
+        keep, sampled = list(range(len(batch.decode))), list(batch.decode)  # positions whose logits pick a token
         for seq, n in batch.chunks:
-            ids[at : at + n] = torch.tensor(seq.tokens[seq.num_computed : seq.num_computed + n])
+            span = cdiv(n, CHUNK_BLOCK) * CHUNK_BLOCK
+            ids += seq.tokens[seq.num_computed : seq.num_computed + n] + [0] * (span - n)
             if seq.num_computed + n == len(seq.tokens):  # the chunk ends the prompt: its last logit samples
-                keep.append(at + n - 1)
+                keep.append(len(ids) - span + n - 1)
                 sampled.append(seq)
-            at += cdiv(n, CHUNK_BLOCK) * CHUNK_BLOCK
-        device = self.model.device
+        ids += [0] * (plan.q_len - len(ids))
         try:
-            logits = self.model(
-                input_ids=ids[None].to(device),
-                position_ids=plan.tok_pos.clamp_min(0)[None].to(device),
-                attention_mask=PackedBlockMask.for_step(self.cache.page_table, plan),
-                cache=self.cache,
-                use_cache=True,
-                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
-            ).logits[0]
+            logits = self._forward(ids, plan, keep)
         except BaseException:  # the step's tokens were never computed: give their slots back
             for seq in batch.decode + [seq for seq, _ in batch.chunks]:
                 self.cache.page_table.truncate(seq.row, seq.num_computed)
@@ -251,8 +249,9 @@ class Engine:
         for seq in batch.decode + [seq for seq, _ in batch.chunks]:
             self.scheduler.register_pages(seq)
         produced = []
-        for seq, row_logits in self._with_forks(sampled, logits):
-            token = self._sample(seq, row_logits)
+        greedy = logits.argmax(-1).tolist()  # one call for every greedy sequence of the step
+        for seq, row in self._with_forks(sampled):
+            token = self._sample(seq, logits[row]) if self._sampling[seq.index][0].do_sample else greedy[row]
             seq.append(token)
             if seq.index not in self.first_token_seconds:
                 self.first_token_seconds[seq.index] = time.perf_counter() - seq.arrival
@@ -263,6 +262,63 @@ class Engine:
                 self._finished += 1
         self._record(batch, decode_len, chunk_len, len(produced))
         return produced
+
+    def _forward(self, ids: list[int], plan, keep: list[int]) -> torch.Tensor:
+        """One forward over a packed step; the logits of the ``keep`` positions."""
+        device = self.model.device
+        return self.model(
+            input_ids=torch.tensor([ids], device=device),
+            position_ids=plan.tok_pos.clamp_min(0)[None].to(device),
+            attention_mask=PackedBlockMask.for_step(self.cache.page_table, plan),
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
+        ).logits[0]
+
+    def _decode_len(self, count: int) -> int:
+        """The decode region's size: exact where decode attention is eager (nothing compiled
+        depends on it), else a power of two >= 4, so its compiled graphs are few."""
+        if not count or self._exact_decode:
+            return count
+        return _bucket(count, 4)
+
+    def step_shapes(self) -> list[tuple[int, int]]:
+        """Every ``(decode_len, chunk_len)`` region size a step can have that compiles a graph:
+        each chunk-region bucket, and each decode-region bucket when decode is compiled too."""
+        chunks, n = [], MIN_CHUNK_REGION
+        while n < self.scheduler.max_tokens_per_step:
+            chunks.append(n)
+            n *= 2
+        chunks.append(n)
+        decodes = [] if self._exact_decode else sorted({self._decode_len(k) for k in range(1, self.scheduler.max_batch_size + 1)})
+        return [(0, c) for c in chunks] + [(d, 0) for d in decodes]
+
+    @torch.inference_mode()
+    def warmup(self, progress: bool = True) -> float:
+        """Compile every step shape the engine can use (``step_shapes``) now, so that no
+        request ever waits on a compile; returns the seconds it took (also in ``stats()``).
+
+        Each shape runs one forward over scratch rows (zeros as tokens), then the rows are freed:
+        the pool, the prefix cache and the counters are as they were.
+        """
+        start = time.perf_counter()
+        pt = self.cache.page_table
+        for decode_len, chunk_len in tqdm(self.step_shapes(), desc="warm-up", unit="shape", disable=not progress):
+            # truly free pages only: cached prefix pages are not evicted for a warm-up
+            tokens = min(chunk_len, pt.max_pages_per_seq * pt.page_size, (len(pt.free_pages) - decode_len) * pt.page_size)
+            if chunk_len and tokens < 1 or len(pt.free_pages) < decode_len:
+                raise OutOfPagesError(f"warm-up needs free pages for a step of shape {(decode_len, chunk_len)}: "
+                                      f"call it while the engine is idle")
+            rows = [self.cache.add_sequence() for _ in range(decode_len + (chunk_len > 0))]
+            try:
+                plan = self.cache.begin_packed_step(rows[:decode_len], [(rows[-1], tokens)] if chunk_len else [],
+                                                    decode_len, chunk_len, CHUNK_BLOCK)
+                self._forward([0] * plan.q_len, plan, [0])
+            finally:
+                for row in rows:
+                    self.cache.free_sequence(row)
+        self.warmup_seconds += time.perf_counter() - start
+        return self.warmup_seconds
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -277,23 +333,23 @@ class Engine:
             prefix_hit_tokens=self.scheduler.prefix_hit_tokens - self._hits_at_reset,
             tokens_generated=self._generated,
             seconds=self._seconds,
+            warmup_seconds=self.warmup_seconds,
         )
 
     # ------------------------------------------------------------------ internals
-    def _with_forks(self, sampled: list[Sequence], logits: torch.Tensor) -> Iterator[tuple[Sequence, torch.Tensor]]:
-        """Each sampled sequence with its logits; a prompt just finished with ``n`` samples asked
-        for splits into its ``n - 1`` siblings here, each sampling from the same logits."""
-        for seq, row_logits in zip(sampled, logits):
+    def _with_forks(self, sampled: list[Sequence]) -> Iterator[tuple[Sequence, int]]:
+        """Each sampled sequence with its row of the step's logits; a prompt just finished with
+        ``n`` samples asked for splits into its ``n - 1`` siblings here, each sampling from the
+        same logits."""
+        for row, seq in enumerate(sampled):
             if seq.forks and not seq.output:
                 for j in range(1, seq.forks + 1):
-                    yield self.scheduler.fork(seq, seq.index + j), row_logits
+                    yield self.scheduler.fork(seq, seq.index + j), row
                 seq.forks = 0
-            yield seq, row_logits
+            yield seq, row
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
         params, generator = self._sampling[seq.index]
-        if not params.do_sample:
-            return int(logits.argmax())
         scores = params.warpers()(torch.tensor([seq.tokens]), logits[None].float())
         return int(torch.multinomial(scores.softmax(-1), 1, generator=generator))
 
@@ -362,7 +418,8 @@ class Engine:
         stats = self.cache.stats()
         self._steps += 1
         self._attention_calls += (decode_len > 0) + (chunk_len > 0)
-        self._shapes.update(shape for shape in (("decode", decode_len), ("chunk", chunk_len)) if shape[1])
+        compiled = (("decode", 0 if self._exact_decode else decode_len), ("chunk", chunk_len))
+        self._shapes.update(shape for shape in compiled if shape[1])
         self._peak_pages = max(self._peak_pages, stats.pages_used)
         self._utilisation_sum += stats.utilisation
         self._prefill_tokens += sum(n for _, n in batch.chunks)

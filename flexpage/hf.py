@@ -28,7 +28,7 @@ from transformers import CompileConfig, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from .attention import decode_attention, fresh_prefill_attention, packed_attention, paged_attention
+from .attention import decode_attention, fresh_prefill_attention, gathered_decode, packed_attention, paged_attention
 from .cache import PagedKVCache
 from .errors import UnsupportedModelError
 from .masks import PackedBlockMask, PagedBlockMask
@@ -244,7 +244,7 @@ def _make_attention(stock: str):
         if plan.fresh and plan.q_len > 1 and softcap is None:
             out = fresh_prefill_attention(query, key, value, plan, window, scale=scaling)
             return out.transpose(1, 2).contiguous(), None
-        if plan.q_len == 1 and softcap is None and query.device.type == "cpu" and not torch.compiler.is_compiling():
+        if plan.q_len == 1 and gathered_decode(query.device, softcap):
             out = decode_attention(query, key, value, attention_mask.decode_kv(window), scale=scaling)
             return out.transpose(1, 2).contiguous(), None
         pad = plan.q_len - query.shape[2]

@@ -170,18 +170,43 @@ def build_block_mask(
     return _build(BlockMask, page_table, plan, mask_mod, q_block_size)
 
 
-class PagedBlockMask(BlockMask):
-    """A step's causal mask: its page table and plan, with FlexAttention metadata on demand.
+class _StepMask(BlockMask):
+    """A step's mask that builds its FlexAttention metadata only when a layer asks for it.
 
-    Built once per forward and handed to every layer as the attention mask (transformers
-    passes a 4-D BlockMask through untouched). The block metadata is computed the first time
-    a layer needs FlexAttention (``with_window``); a step whose layers all take another
-    kernel (SDPA for a CPU decode step, see ``decode_kv``) never builds it. Every variant a
-    layer asks for (sliding window, soft-cap score mod, gathered K/V) is built once per step
+    transformers passes a 4-D BlockMask through to every layer untouched, so each step's mask
+    is one of these; BlockMask attributes (``kv_indices``, ``mask_mod``, ...) come from the
+    step's causal mask, built on first use. Variants a layer asks for are built once per step
     and shared by every layer that asks.
     """
 
     page_table: PageTable
+
+    def _start(self, page_table: PageTable, q_len: int, batch: int) -> None:
+        self.page_table, self._variants, self._batch = page_table, {}, batch
+        self.seq_lengths = (q_len, (page_table.num_pages + 1) * page_table.page_size)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self._batch, 1, *self.seq_lengths)
+
+    def __getattr__(self, name: str):
+        if name.startswith("_") or name in ("page_table", "plan"):
+            raise AttributeError(name)
+        return getattr(self._causal(), name)
+
+    def _causal(self) -> BlockMask:
+        raise NotImplementedError
+
+    def _variant(self, key: tuple, build: Callable[[], object]):
+        if key not in self._variants:
+            self._variants[key] = build()
+        return self._variants[key]
+
+
+class PagedBlockMask(_StepMask):
+    """The mask of a step whose rows are laid out as a (left-padded) batch: FlexAttention
+    metadata on demand; ``decode_kv`` for decode steps attended by SDPA over gathered pages."""
+
     plan: StepPlan
 
     @classmethod
@@ -189,49 +214,36 @@ class PagedBlockMask(BlockMask):
         """The step's mask; ``lazy=False`` builds the FlexAttention metadata now (a compiled
         forward must receive it ready, not build it while being traced)."""
         mask = cls.__new__(cls)
-        mask.page_table, mask.plan, mask._variants = page_table, plan, {}
-        mask.seq_lengths = (plan.q_len, (page_table.num_pages + 1) * page_table.page_size)
-        mask.BLOCK_SIZE = (Q_BLOCK_SIZE, page_table.page_size)
+        mask._start(page_table, plan.q_len, len(plan.row_ids))
+        mask.plan, mask.BLOCK_SIZE = plan, (Q_BLOCK_SIZE, page_table.page_size)
         if not lazy:
             mask.with_window(None)
         return mask
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (len(self.plan.row_ids), 1, *self.seq_lengths)
-
-    def __getattr__(self, name: str):
-        # BlockMask attributes (kv_indices, mask_mod, ...) come from the built causal mask.
-        if name.startswith("_") or name in ("page_table", "plan"):
-            raise AttributeError(name)
-        return getattr(self.with_window(None), name)
+    def _causal(self) -> BlockMask:
+        return self.with_window(None)
 
     def with_window(self, window: int | None) -> BlockMask:
         """This step's causal BlockMask, restricted to a sliding window of ``window`` tokens."""
-        if ("window", window) not in self._variants:
-            mask_mod = None if window is None else sliding_window(window)
-            self._variants["window", window] = _build(BlockMask, self.page_table, self.plan, mask_mod, Q_BLOCK_SIZE)
-        return self._variants["window", window]
+        mask_mod = None if window is None else sliding_window(window)
+        return self._variant(("window", window), lambda: _build(BlockMask, self.page_table, self.plan, mask_mod,
+                                                                Q_BLOCK_SIZE))
 
     def softcap_mod(self, cap: float | None) -> ScoreMod | None:
         """The physical-slot soft-capping score mod for this step (None when ``cap`` is None)."""
         if cap is None:
             return None
-        if ("softcap", cap) not in self._variants:
-            self._variants["softcap", cap] = paged_score_mod(self.page_table, self.plan, softcap(cap))
-        return self._variants["softcap", cap]
+        return self._variant(("softcap", cap), lambda: paged_score_mod(self.page_table, self.plan, softcap(cap)))
 
     def decode_kv(self, window: int | None = None) -> "DecodeKV":
         """Where a decode step's keys live, for attention over gathered K/V (``DecodeKV``)."""
-        if ("decode_kv", window) not in self._variants:
-            self._variants["decode_kv", window] = DecodeKV.for_step(self.page_table, self.plan, window)
-        return self._variants["decode_kv", window]
+        return self._variant(("decode_kv", window), lambda: DecodeKV.for_rows(self.page_table, self.plan.row_ids, window))
 
 
 @dataclass(frozen=True)
 class DecodeKV:
     """The slots a decode step's queries attend, one right-aligned row of ``width`` keys per
-    batch row: ``slots[b, j]`` holds position ``kv_lens[b] - width + j`` (the step's own token
+    sequence: ``slots[b, j]`` holds position ``length_b - width + j`` (the step's own token
     last). ``valid`` masks the columns before a shorter row's first visible token (None when
     every row sees ``width`` keys). A single row whose keys fill consecutive slots is a plain
     slice of the pool, ``start:start + width``, and needs no gather at all.
@@ -243,25 +255,24 @@ class DecodeKV:
     valid: Tensor | None  # [B, 1, 1, width] bool, or None when every key is real
 
     @classmethod
-    def for_step(cls, page_table: PageTable, plan: StepPlan, window: int | None) -> "DecodeKV":
+    def for_rows(cls, page_table: PageTable, rows: tuple[int, ...], window: int | None) -> "DecodeKV":
+        """The keys of ``rows`` (each attending up to its last written token), within ``window``."""
         page = page_table.page_size
-        lens = plan.row_lens
+        lens = [page_table.seq_lens[r] for r in rows]
         firsts = [0 if window is None else max(0, n - window) for n in lens]
         width = max(n - f for n, f in zip(lens, firsts))
-        if len(lens) == 1:
-            pages = page_table.seq_pages[plan.row_ids[0]][firsts[0] // page : cdiv(lens[0], page)]
+        if len(rows) == 1:
+            pages = page_table.seq_pages[rows[0]][firsts[0] // page : cdiv(lens[0], page)]
             if pages == list(range(pages[0], pages[0] + len(pages))):
                 return cls(width, pages[0] * page + firsts[0] % page, None, None)
         device = page_table.device
-        positions = plan.kv_lens[:, None].long() - width + torch.arange(width, device=device)  # [B, width]
-        first = torch.tensor(firsts, device=device)[:, None]
-        table = page_table.table[plan.rows].long()
-        pos = positions.clamp_min(0)
-        slots = table.gather(1, pos // page) * page + pos % page
-        valid = positions >= first
-        slots = torch.where(valid, slots, page_table.sink_slot)
+        positions = torch.tensor(lens)[:, None] - width + torch.arange(width)  # [B, width]
+        valid = positions >= torch.tensor(firsts)[:, None]
+        table = page_table.table[torch.tensor(rows, device=device)].long()
+        pos = positions.clamp_min(0).to(device)
+        slots = torch.where(valid.to(device), table.gather(1, pos // page) * page + pos % page, page_table.sink_slot)
         uniform = all(n - f == width for n, f in zip(lens, firsts))
-        return cls(width, None, slots, None if uniform else valid[:, None, None, :])
+        return cls(width, None, slots, None if uniform else valid[:, None, None, :].to(device))
 
 
 def _build(cls, page_table: PageTable, plan: StepPlan, mask_mod: MaskMod | None, q_block_size: int):
@@ -353,68 +364,64 @@ def _block_metadata(
     )
 
 
-class PackedBlockMask(BlockMask):
-    """The BlockMask of a ragged (packed) step: one query row holding many sequences' tokens.
+class PackedBlockMask(_StepMask):
+    """The mask of a ragged (packed) step: one query row holding many sequences' tokens.
 
-    The step has two regions with different query-block sizes, each with its own block
-    metadata built from the page table: decode tokens (blocks of one token, each listing
-    its own row's pages) and prefill chunks (blocks of ``chunk_block`` tokens of one row).
-    The object itself is the first region's BlockMask (so transformers passes it through
-    as a ready 4-D mask); ``regions`` gives every region, for a layer's variant.
+    The step has two regions: decode tokens (one per sequence) and prefill chunks (blocks of
+    ``chunk_block`` tokens of one row). Each region's FlexAttention metadata is built from the
+    page table when a layer asks for it (``region``): decode blocks of one token listing their
+    own row's pages, chunk blocks listing their row's pages with those wholly before the
+    block as full blocks. A CPU decode region is attended by SDPA over gathered pages
+    instead (``decode_kv``), and never builds block metadata.
     """
 
-    page_table: PageTable
     plan: PackedPlan
 
     @classmethod
     def for_step(cls, page_table: PageTable, plan: PackedPlan) -> "PackedBlockMask":
-        regions = _packed_regions(page_table, plan, None)
-        first = regions[0]
-        mask = cls.from_kv_blocks(
-            first[2].kv_num_blocks, first[2].kv_indices, first[2].full_kv_num_blocks, first[2].full_kv_indices,
-            BLOCK_SIZE=first[2].BLOCK_SIZE, mask_mod=first[2].mask_mod, seq_lengths=first[2].seq_lengths,
-            compute_q_blocks=False,
-        )
-        mask.page_table, mask.plan, mask._variants = page_table, plan, {(None, None): regions}
+        mask = cls.__new__(cls)
+        mask._start(page_table, plan.q_len, 1)
+        mask.plan = plan
+        mask.BLOCK_SIZE = (1 if plan.decode_len else plan.chunk_block, page_table.page_size)
         return mask
 
-    def regions(self, window: int | None = None, cap: float | None = None) -> list[tuple[int, int, BlockMask, ScoreMod | None]]:
-        """``(start, end, block_mask, score_mod)`` per region, for a causal mask restricted to a
-        sliding ``window`` and scores soft-capped at ``cap`` (either may be None). Built once per
-        step and variant, shared by every layer that asks."""
-        key = (window, cap)
-        if key not in self._variants:
-            if cap is None:
-                self._variants[key] = _packed_regions(self.page_table, self.plan, window)
-            else:  # the same block metadata as without soft-capping, plus the score mod
-                rows, pos = self.plan.tok_rows, self.plan.tok_pos
-                self._variants[key] = [
-                    (start, end, mask, packed_score_mod(self.page_table, rows[start:end], pos[start:end], softcap(cap)))
-                    for start, end, mask, _ in self.regions(window)
-                ]
-        return self._variants[key]
+    def _causal(self) -> BlockMask:
+        return self.region("decode" if self.plan.decode_len else "chunk")[2]
+
+    def region(self, name: str, window: int | None = None, cap: float | None = None
+               ) -> tuple[int, int, BlockMask, ScoreMod | None]:
+        """``(start, end, block_mask, score_mod)`` of the ``"decode"`` or ``"chunk"`` region, for
+        a causal mask restricted to a sliding ``window`` and scores soft-capped at ``cap``."""
+        plan = self.plan
+        start, end, q_block = (0, plan.decode_len, 1) if name == "decode" else (plan.decode_len, plan.q_len,
+                                                                               plan.chunk_block)
+        if cap is not None:  # the same block metadata as without soft-capping, plus the score mod
+            rows, pos = plan.tok_rows[start:end], plan.tok_pos[start:end]
+            return self._variant((name, window, cap), lambda: (
+                *self.region(name, window)[:3], packed_score_mod(self.page_table, rows, pos, softcap(cap))))
+        return self._variant((name, window, None), lambda: (
+            start, end, _region_mask(self.page_table, plan, start, end, q_block, window), None))
+
+    def decode_kv(self, window: int | None = None) -> DecodeKV:
+        """Where the decode tokens' keys live, for attention over gathered K/V (``DecodeKV``)."""
+        return self._variant(("decode_kv", window),
+                             lambda: DecodeKV.for_rows(self.page_table, self.plan.decode_rows, window))
 
 
-def _packed_regions(page_table: PageTable, plan: PackedPlan, window: int | None):
-    mask_mod = None if window is None else sliding_window(window)
-    regions = []
-    for start, end, q_block in ((0, plan.decode_len, 1), (plan.decode_len, plan.q_len, plan.chunk_block)):
-        if start == end:
-            continue
-        rows, pos = plan.tok_rows[start:end], plan.tok_pos[start:end]
-        blocks = pos.view(-1, q_block)
-        kv_num, kv_indices, full_num, full_indices = _region_metadata(
-            page_table, rows[::q_block], blocks[:, 0], blocks.amax(-1), window
-        )
-        block_mask = BlockMask.from_kv_blocks(
-            kv_num, kv_indices, full_num, full_indices,
-            BLOCK_SIZE=(q_block, page_table.page_size),
-            mask_mod=packed_mask_mod(page_table, rows, pos, mask_mod),
-            seq_lengths=(end - start, (page_table.num_pages + 1) * page_table.page_size),
-            compute_q_blocks=False,
-        )
-        regions.append((start, end, block_mask, None))
-    return regions
+def _region_mask(page_table: PageTable, plan: PackedPlan, start: int, end: int, q_block: int,
+                 window: int | None) -> BlockMask:
+    rows, pos = plan.tok_rows[start:end], plan.tok_pos[start:end]
+    blocks = pos.view(-1, q_block)
+    kv_num, kv_indices, full_num, full_indices = _region_metadata(
+        page_table, rows[::q_block], blocks[:, 0], blocks.amax(-1), window
+    )
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_indices, full_num, full_indices,
+        BLOCK_SIZE=(q_block, page_table.page_size),
+        mask_mod=packed_mask_mod(page_table, rows, pos, None if window is None else sliding_window(window)),
+        seq_lengths=(end - start, (page_table.num_pages + 1) * page_table.page_size),
+        compute_q_blocks=False,
+    )
 
 
 def _region_metadata(

@@ -54,6 +54,7 @@ class PackedPlan:
     slots: torch.Tensor  # [1, q_len] int64, pool slot of each packed token
     tok_rows: torch.Tensor  # [q_len] int64, page-table row of each token
     tok_pos: torch.Tensor  # [q_len] int64, logical position of each token (-1: padding)
+    decode_rows: tuple[int, ...]  # the rows of the leading decode tokens, on the host
     decode_len: int
     chunk_block: int
     q_len: int
@@ -370,6 +371,7 @@ class PageTable:
             slots=self._tensor(slots)[None],
             tok_rows=self._tensor(rows),
             tok_pos=self._tensor(positions),
+            decode_rows=tuple(decode_rows),
             decode_len=decode_len,
             chunk_block=chunk_block,
             q_len=q_len,

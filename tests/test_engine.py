@@ -58,6 +58,31 @@ def test_mixed_workload_matches_stock(expected):
     assert compiled_graphs() == graphs
 
 
+def test_warmup_compiles_every_step_shape_so_serving_compiles_nothing(stock_llama):
+    engine = make_engine(max_tokens_per_step=256)  # warm-up runs in the constructor
+    assert engine.step_shapes() == [(0, 64), (0, 128), (0, 256)]  # CPU decode regions compile nothing
+    assert engine.stats().warmup_seconds > 0 and engine.stats().steps == 0
+    pt = engine.cache.page_table
+    assert pt.num_free_pages == pt.num_pages and not pt.active_rows  # scratch rows and pages given back
+    prompts, news = workload((250, 3, 111, 47, 190), seed=2), [5, 30, 12, 8, 21]  # lengths no test used
+    graphs = compiled_graphs()
+    assert engine.generate(prompts, max_new_tokens=news) == [stock_greedy(stock_llama, p, n) for p, n in zip(prompts, news)]
+    assert compiled_graphs() == graphs
+    assert engine.stats().compiled_shapes <= 3
+
+
+def test_a_lone_request_decodes_one_token_per_step(stock_llama):
+    engine = make_engine(warmup=False)
+    prompt = workload((70,))[0]
+    engine.add_request(prompt, flexpage.SamplingParams(max_new_tokens=6))
+    tokens = []
+    while engine.scheduler.has_work:
+        tokens += [token for _, token in engine.step()]
+        assert engine.cache.step.q_len in (1, 128)  # decode steps carry no padding; the prompt is one chunk
+    assert tokens == stock_greedy(stock_llama, prompt, 6)
+    assert engine.stats().steps == 6  # one prefill step, then one step per further token
+
+
 def test_preemption_under_a_small_pool_changes_no_token(expected):
     # 24 pages of 16 tokens: the 200-token prompt plus its neighbours cannot all stay resident
     engine = make_engine(max_cached_tokens=384)
