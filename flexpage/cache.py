@@ -307,20 +307,17 @@ class PagedKVCache(Cache):
         return layer.keys[0, :, slots], layer.values[0, :, slots]
 
     def stats(self) -> CacheStats:
+        """Pages in use and live tokens (shared pages counted once), from counts the page table
+        keeps as it changes: O(1) whatever the number of rows and pages."""
         pt = self.page_table
         used = pt.num_pages - pt.num_free_pages
-        filled: dict[int, int] = {}  # page -> slots holding live tokens (shared pages counted once)
-        for row in pt.active_rows:
-            for i, page in enumerate(pt.seq_pages[row]):
-                filled[page] = max(filled.get(page, 0), min(self.page_size, pt.seq_lens[row] - i * self.page_size))
-        live = sum(filled.values())
         reserved = used * self.page_size
         return CacheStats(
             pages_total=pt.num_pages,
             pages_used=used,
             pages_free=pt.num_free_pages,
-            live_tokens=live,
+            live_tokens=pt.live_tokens,
             reserved_slots=reserved,
-            utilisation=live / reserved if reserved else 1.0,
+            utilisation=pt.live_tokens / reserved if reserved else 1.0,
             pages_cached=len(pt.cached_pages),
         )

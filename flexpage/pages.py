@@ -122,6 +122,13 @@ class PageTable:
         self.key_pages: dict[bytes, int] = {}  # content key -> registered page
         self.seq_pages: list[list[int] | None] = [None] * max_batch_size  # None: row unused
         self.seq_lens = [0] * max_batch_size
+        # Live-token accounting, kept as pages change (no walk over the rows per step): a page's
+        # fill is how many of its slots hold tokens of its owners (the most any owner holds: owners
+        # of a shared page agree unless one was truncated, since nobody writes into a shared page);
+        # live_tokens sums the fill of pages somebody holds.
+        self.page_fill = [0] * num_pages
+        self.live_tokens = 0
+        self._uneven: set[int] = set()  # shared pages truncated by one owner: owners' fills differ
         # Device mirrors read by masks and slot computation.
         self.table = torch.full((max_batch_size, max_pages_per_seq), -1, dtype=torch.int32, device=self.device)
         # Logical block index of each physical page (-1: free, and for the sink page at the
@@ -172,10 +179,11 @@ class PageTable:
     def free_sequence(self, row: int) -> None:
         """Release a row and drop its references; pages nobody owns return to the free list
         (registered ones to the cache, the sequence's tail first so prefixes outlive it)."""
-        for page in reversed(self._pages(row)):
-            self._unref(page)
-        self.seq_pages[row] = None
+        pages = self._pages(row)
+        self.seq_pages[row] = None  # references are dropped once the row no longer lists them
         self.seq_lens[row] = 0
+        for page in reversed(pages):
+            self._unref(page)
         self.table[row] = -1
         self.lens[row] = 0
         if len(self.free_pages) == self.num_pages:  # an empty pool hands out pages in order again,
@@ -203,11 +211,13 @@ class PageTable:
         for pages in new_pages:
             for page in pages:
                 self.ref_counts[page] += 1
+        old_pages = [self.seq_pages[row] for row in rows]
         for row, pages, length in zip(rows, new_pages, new_lens):
-            for page in self.seq_pages[row]:
-                self._unref(page)
             self.seq_pages[row], self.seq_lens[row] = pages, length
             self._mirror(row)
+        for pages in old_pages:  # once every row lists its new pages
+            for page in pages:
+                self._unref(page)
 
     def truncate(self, row: int, length: int) -> None:
         """Keep only the first ``length`` tokens of a row; pages past them lose a reference."""
@@ -215,10 +225,15 @@ class PageTable:
         if not 0 <= length <= self.seq_lens[row]:
             raise ValueError(f"cannot truncate row {row} of {self.seq_lens[row]} tokens to {length}")
         keep = cdiv(length, self.page_size)
-        for page in pages[keep:]:
-            self._unref(page)
+        dropped = pages[keep:]
         del pages[keep:]
         self.seq_lens[row] = length
+        for page in dropped:
+            self._unref(page)
+        if keep:
+            self._refill(pages[-1])
+            if self.ref_counts[pages[-1]] > 1:
+                self._uneven.add(pages[-1])
         self._mirror(row)
 
     # ------------------------------------------------------------------ growth
@@ -260,6 +275,9 @@ class PageTable:
             first_new = len(pages)
             for _ in range(cdiv(length + n, self.page_size) - len(pages)):
                 pages.append(self._alloc())
+            for i in range(length // self.page_size, len(pages) if n else 0):  # private pages written into
+                self.page_fill[pages[i]] = min(self.page_size, length + n - i * self.page_size)
+            self.live_tokens += n
             if len(pages) > first_new:
                 new = torch.tensor(pages[first_new:], dtype=torch.int32)
                 self.table[row, first_new : len(pages)] = new.to(self.device)
@@ -324,6 +342,11 @@ class PageTable:
             raise OutOfPagesError(f"{len(pages)} pages exceed a sequence's {self.max_pages_per_seq}")
         for page in pages:
             self.cached_pages.pop(page, None)
+            held = self.page_fill[page] if self.ref_counts[page] else 0  # a registered page is full
+            if held and held < self.page_size:  # its holder was truncated into it
+                self._uneven.add(page)
+            self.live_tokens += self.page_size - held
+            self.page_fill[page] = self.page_size
             self.ref_counts[page] += 1
         self.seq_pages[row] = list(pages)
         self.seq_lens[row] = len(pages) * self.page_size
@@ -334,6 +357,7 @@ class PageTable:
         for page in self.cached_pages:
             self.free_pages.append(page)
             self.page_logical[page] = -1
+            self.page_fill[page] = 0
         self.cached_pages.clear()
         self.page_keys.clear()
         self.key_pages.clear()
@@ -412,8 +436,10 @@ class PageTable:
         pages = self.seq_pages[row]
         src = pages[-1]
         dst = self._alloc()
-        self._unref(src)  # a registered page this row held alone goes to the prefix cache
+        self.page_fill[dst] = self.seq_lens[row] % self.page_size
+        self.live_tokens += self.page_fill[dst]
         pages[-1] = dst
+        self._unref(src)  # a registered page this row held alone goes to the prefix cache
         self.table[row, len(pages) - 1] = dst
         self.page_logical[dst] = len(pages) - 1
         return src, dst
@@ -426,11 +452,28 @@ class PageTable:
             self.table[row, : len(pages)] = torch.tensor(pages, dtype=torch.int32).to(self.device)
         self.lens[row] = self.seq_lens[row]
 
+    def _refill(self, page: int) -> None:
+        """Recount a page's fill from the rows holding it (rare: after a truncation)."""
+        fill, page_size = 0, self.page_size
+        for row, pages in enumerate(self.seq_pages):
+            for i, held in enumerate(pages or ()):
+                if held == page:
+                    fill = max(fill, min(page_size, self.seq_lens[row] - i * page_size))
+        if self.ref_counts[page]:
+            self.live_tokens += fill - self.page_fill[page]
+        self.page_fill[page] = fill
+
     def _unref(self, page: int) -> None:
         self.ref_counts[page] -= 1
+        if page in self._uneven:  # the owner that left may have held the most tokens
+            self._refill(page)
+            if self.ref_counts[page] <= 1:
+                self._uneven.discard(page)
         if self.ref_counts[page] == 0:
+            self.live_tokens -= self.page_fill[page]
             if page in self.page_keys:  # keeps its K/V and logical index until evicted
                 self.cached_pages[page] = None
             else:
                 self.free_pages.append(page)
                 self.page_logical[page] = -1
+                self.page_fill[page] = 0

@@ -24,6 +24,8 @@ def snapshot(pt: PageTable):
         pt.table.clone(),
         pt.page_logical.clone(),
         pt.lens.clone(),
+        list(pt.page_fill),
+        pt.live_tokens,
     )
 
 
@@ -90,7 +92,8 @@ class PageTableMachine(RuleBasedStateMachine):
             assert_same(before, snapshot(self.pt))  # all or nothing
             return
         for src, dst in copies:
-            assert self.pt.ref_counts[src] >= 1 and self.pt.ref_counts[dst] == 1
+            # the source stays with its other owners, or (registered, truncated into) in the prefix cache
+            assert (self.pt.ref_counts[src] >= 1 or src in self.pt.cached_pages) and self.pt.ref_counts[dst] == 1
             self.page_content[dst] = self.page_content.get(src, ())  # the cache copies the page's K/V
         for row, count in zip(rows, counts):
             assert self.pt.seq_lens[row] == old_lens[row] + count
@@ -119,6 +122,22 @@ class PageTableMachine(RuleBasedStateMachine):
         self.tokens[dst] = list(self.tokens[src])
         assert self.pt.pages_of(dst) == self.pt.pages_of(src)
         assert self.pt.seq_lens[dst] == self.pt.seq_lens[src]
+
+    @precondition(lambda self: self.pt.active_rows)
+    @rule(data=st.data())
+    def truncate(self, data):
+        row = data.draw(st.sampled_from(self.pt.active_rows))
+        length = data.draw(st.integers(0, self.pt.seq_lens[row]))
+        self.pt.truncate(row, length)
+        self.tokens[row] = self.tokens[row][:length]
+
+    @invariant()
+    def live_tokens_count_each_held_page_once(self):
+        pt, filled = self.pt, {}
+        for row in pt.active_rows:
+            for i, page in enumerate(pt.pages_of(row)):
+                filled[page] = max(filled.get(page, 0), min(PAGE_SIZE, pt.seq_lens[row] - i * PAGE_SIZE))
+        assert pt.live_tokens == sum(filled.values())
 
     @invariant()
     def pages_free_or_owned_and_counted(self):
