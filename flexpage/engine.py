@@ -90,6 +90,7 @@ class EngineStats:
     tokens_generated: int
     seconds: float
     warmup_seconds: float  # compiling every step shape (``Engine.warmup``), outside ``seconds``
+    host_ms_per_step: float  # a step's time outside the model forward (schedule, plan, sampling, bookkeeping)
 
 
 @dataclass(frozen=True)
@@ -218,6 +219,7 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[tuple[int, int]]:
         """Run one ragged step; return the ``(request index, token)`` pairs it produced."""
+        step_start = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -236,12 +238,14 @@ class Engine:
                 keep.append(len(ids) - span + n - 1)
                 sampled.append(seq)
         ids += [0] * (plan.q_len - len(ids))
+        forward_start = time.perf_counter()
         try:
             logits = self._forward(ids, plan, keep)
         except BaseException:  # the step's tokens were never computed: give their slots back
             for seq in batch.decode + [seq for seq, _ in batch.chunks]:
                 self.cache.page_table.truncate(seq.row, seq.num_computed)
             raise
+        forward_end = time.perf_counter()
         for seq in batch.decode:
             seq.num_computed += 1
         for seq, n in batch.chunks:
@@ -261,6 +265,7 @@ class Engine:
                 del self._sampling[seq.index]
                 self._finished += 1
         self._record(batch, decode_len, chunk_len, len(produced))
+        self._host_seconds += time.perf_counter() - step_start - (forward_end - forward_start)
         return produced
 
     def _forward(self, ids: list[int], plan, keep: list[int]) -> torch.Tensor:
@@ -334,6 +339,7 @@ class Engine:
             tokens_generated=self._generated,
             seconds=self._seconds,
             warmup_seconds=self.warmup_seconds,
+            host_ms_per_step=self._host_seconds / self._steps * 1e3 if self._steps else 0.0,
         )
 
     # ------------------------------------------------------------------ internals
@@ -408,7 +414,7 @@ class Engine:
         """Start counting afresh (``stats()``, ``history``, ``first_token_seconds``)."""
         self._steps = self._attention_calls = self._peak_pages = 0
         self._prefill_tokens = self._generated = self._finished = 0
-        self._utilisation_sum = self._seconds = 0.0
+        self._utilisation_sum = self._seconds = self._host_seconds = 0.0
         self._shapes: set[tuple[str, int]] = set()
         self._hits_at_reset = self.scheduler.prefix_hit_tokens
         self.first_token_seconds: dict[int, float] = {}  # request index -> seconds from submission

@@ -106,11 +106,13 @@ class Scheduler:
         """Choose the next step's work; rows are claimed here, pages in ``cache.begin_packed_step``."""
         pt, page = self.page_table, self.page_table.page_size
         decode = [s for s in self.running if s.num_pending == 1]
-        while sum(pt.pages_needed(s.row, 1) for s in decode) > pt.num_free_pages and len(self.running) > 1:
+        needed = {s.index: pt.pages_needed(s.row, 1) for s in decode}
+        while sum(needed.values()) > pt.num_free_pages and len(self.running) > 1:
             victim = self.running[-1]
             self.preempt(victim)
             decode = [s for s in decode if s is not victim]
-        free = pt.num_free_pages - sum(pt.pages_needed(s.row, 1) for s in decode)
+            needed.pop(victim.index, None)
+        free = pt.num_free_pages - sum(needed.values())
         budget = (self.max_tokens_per_step - len(decode)) // self.chunk_block * self.chunk_block
         batch = Batch(decode=decode)
 
