@@ -6,7 +6,8 @@ inter-token time), end-to-end latency, peak extra process memory, KV bytes reser
 and recompiles during the timed calls. The first call of each configuration at each length
 is its warm-up (compiles) and is reported separately, never mixed into the latencies.
 
-Configurations: flexpage (wrap), flexpage_compiled (wrap(compile_decode=True)), stock dynamic cache (sdpa), stock attn_implementation=
+Configurations: flexpage (wrap), flexpage_compiled (wrap(compile_decode=True)), flexpage_engine (one request
+at a time through an Engine, built and warmed up before timing), stock dynamic cache (sdpa), stock attn_implementation=
 "flex_attention", stock static cache (eager and torch.compile'd), stock use_cache=False
 (dropped at longer lengths once it exceeds --no-cache-budget seconds).
 
@@ -34,7 +35,7 @@ import flexpage  # noqa: E402
 import models  # noqa: E402
 from flexpage.benchmark import PeakRSS, TokenClock, compiled_graphs, machine_info, matmul_probe_ms  # noqa: E402
 
-CONFIGS = ("flexpage", "flexpage_compiled", "stock_dynamic_sdpa", "stock_flex_attention", "stock_static", "stock_static_compiled",
+CONFIGS = ("flexpage", "flexpage_compiled", "flexpage_engine", "stock_dynamic_sdpa", "stock_flex_attention", "stock_static", "stock_static_compiled",
            "stock_no_cache")
 PAPER_GROWTH = 2.0  # "Paged Attention Meets FlexAttention": ~2x latency from 128 to 2048 tokens
 
@@ -52,12 +53,15 @@ def build_configs(model_name: str, max_len: int, page_size: int):
     compiled_paged = flexpage.wrap(models.load(model_name), page_size=page_size, max_cached_tokens=max_len,
                                    compile_decode=True)
     pool_bytes = sum(layer.keys.numel() * 2 * layer.keys.element_size() for layer in paged._flexpage.cache.layers)
+    engine = flexpage.Engine(models.load(model_name), page_size=page_size, max_cached_tokens=max_len,
+                             max_batch_size=8, max_tokens_per_step=512, prefix_caching=False)  # repeats recompute
     flex = models.load(model_name, attn_implementation="flex_attention")
     compiled = CompileConfig(fullgraph=False, dynamic=False)
     compiled._compile_all_devices = True  # transformers only auto-compiles on accelerators otherwise
     return {
         "flexpage": (paged, {}, lambda n: pool_bytes),
         "flexpage_compiled": (compiled_paged, {}, lambda n: pool_bytes),
+        "flexpage_engine": (engine, {}, lambda n: pool_bytes),
         "stock_dynamic_sdpa": (stock, {}, lambda n: n * per_token),
         "stock_flex_attention": (flex, {}, lambda n: n * per_token),
         "stock_static": (stock, {"cache_implementation": "static", "disable_compile": True}, lambda n: n * per_token),
@@ -73,9 +77,18 @@ def run_once(model, ids, new_tokens, extra):
     graphs = compiled_graphs()
     with PeakRSS() as memory:
         start = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                             logits_processor=LogitsProcessorList([clock]), **extra)
+        if isinstance(model, flexpage.Engine):  # each prompt its own request, served together
+            counts = [0] * ids.shape[0]
+            for index, _ in model.stream(ids.tolist(), max_new_tokens=new_tokens, eos_token_id=[]):
+                if index == 0:  # one timestamp per step, as generate()'s logits processor gives
+                    clock.times.append(time.perf_counter())
+                counts[index] += 1
+            out_tokens = min(counts)
+        else:
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                                 logits_processor=LogitsProcessorList([clock]), **extra)
+            out_tokens = out.shape[1] - ids.shape[1]
         end = time.perf_counter()
     gaps = [b - a for a, b in zip(clock.times, clock.times[1:])]
     return {
@@ -84,7 +97,7 @@ def run_once(model, ids, new_tokens, extra):
         "e2e_ms": (end - start) * 1e3,
         "peak_mem_mb": memory.peak_mb,
         "recompiles": compiled_graphs() - graphs,
-        "tokens": out.shape[1] - ids.shape[1],
+        "tokens": out_tokens,
     }
 
 
