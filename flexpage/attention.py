@@ -111,24 +111,18 @@ def fresh_prefill_attention(
 
 def decode_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, kv: DecodeKV,
                      scale: float | None = None) -> Tensor:
-    """Decode attention by SDPA over each row's keys gathered from the pools.
+    """A lone sequence's decode attention, by SDPA over its keys in the pools.
 
-    ``query`` is ``[B, Hq, 1, D]``; ``kv`` (``PagedBlockMask.decode_kv``) names the slots of
-    every row's visible keys. A single row stored in consecutive slots is attended in place
-    (a slice of the pool, no copy). On CPU this beats FlexAttention's C++ template for one
-    query per row: SDPA's kernel is faster and an eager call skips the compiled call's
-    per-call dispatch, which at batch 1 costs more than the attention itself.
+    ``query`` is ``[1, Hq, 1, D]``; ``kv`` (``decode_kv`` of the step's mask) names the keys'
+    slots. Keys in consecutive slots are attended in place (a slice of the pool, no copy),
+    others are gathered first. See ``gathered_decode`` for when this is the kernel.
     """
     if kv.start is not None:
         keys = key_pool[:, :, kv.start : kv.start + kv.width]
         values = value_pool[:, :, kv.start : kv.start + kv.width]
     else:
-        batch, flat = kv.slots.shape[0], kv.slots.reshape(-1)
-        keys = key_pool[0].index_select(1, flat).unflatten(1, (batch, kv.width)).transpose(0, 1)
-        values = value_pool[0].index_select(1, flat).unflatten(1, (batch, kv.width)).transpose(0, 1)
-    return F.scaled_dot_product_attention(
-        query, keys, values, attn_mask=kv.valid, scale=scale, enable_gqa=query.shape[1] != keys.shape[1]
-    )
+        keys, values = key_pool[:, :, kv.slots], value_pool[:, :, kv.slots]
+    return F.scaled_dot_product_attention(query, keys, values, scale=scale, enable_gqa=query.shape[1] != keys.shape[1])
 
 
 def packed_attention(
@@ -143,23 +137,17 @@ def packed_attention(
     """Attention of a ragged step's packed ``query`` ``[1, Hq, T, D]`` over the pools.
 
     The step's prefill chunks are one compiled FlexAttention call; its decode tokens are
-    attended as a batch of one-token rows, by SDPA over gathered pages where that is the
-    faster kernel (``gathered_decode``), else by one compiled FlexAttention call with
-    one-token query blocks. ``window`` and ``cap`` select the layer's variant (sliding window,
-    logit soft-cap). Returns ``[1, Hq, T, Dv]``.
+    attended as a batch of one-token rows, by one compiled FlexAttention call with one-token
+    query blocks, or, for a lone decode token where that is the faster kernel
+    (``gathered_decode``), by SDPA over its sequence's pages. ``window`` and ``cap`` select the
+    layer's variant (sliding window, logit soft-cap). Returns ``[1, Hq, T, Dv]``.
     """
     plan = block_mask.plan
     if query.shape[0] != 1 or query.dim() != 4 or query.shape[2] != plan.q_len:
         raise ValueError(f"a packed step takes a query of shape (1, heads, {plan.q_len}, dim), got {tuple(query.shape)}")
     outputs = []
-    if plan.decode_len and gathered_decode(query.device, cap):
-        real = len(plan.decode_rows)
-        if real:
-            rows = query[0, :, :real].transpose(0, 1).unsqueeze(2)  # [decode tokens, Hq, 1, D]
-            out = decode_attention(rows, key_pool, value_pool, block_mask.decode_kv(window), scale)
-            outputs.append(out.squeeze(2).transpose(0, 1)[None])
-        if real < plan.decode_len:  # bucket padding: its outputs are never read
-            outputs.append(query.new_zeros(1, query.shape[1], plan.decode_len - real, value_pool.shape[-1]))
+    if plan.decode_len == len(plan.decode_rows) == 1 and gathered_decode(query.device, cap, 1):
+        outputs.append(decode_attention(query[:, :, :1], key_pool, value_pool, block_mask.decode_kv(window), scale))
     elif plan.decode_len:
         outputs.append(_region_attention(query, key_pool, value_pool, block_mask.region("decode", window, cap), scale))
     if plan.q_len > plan.decode_len:
@@ -167,10 +155,17 @@ def packed_attention(
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
 
-def gathered_decode(device: torch.device, cap: float | None) -> bool:
-    """Whether decode queries are attended by SDPA over gathered pages (``decode_attention``):
-    on CPU, eagerly, for layers without a score mod (SDPA has none)."""
-    return cap is None and device.type == "cpu" and not torch.compiler.is_compiling()
+def gathered_decode(device: torch.device, cap: float | None, rows: int) -> bool:
+    """Whether a decode step of ``rows`` sequences is attended by SDPA over the pages
+    (``decode_attention``) instead of FlexAttention: on CPU, eagerly, for a lone sequence of a
+    layer without a score mod (SDPA has none).
+
+    Measured on CPU (one layer, small-Llama heads): for one sequence SDPA is about 2x faster
+    than the FlexAttention template and skips the compiled call's per-call dispatch, which at
+    batch 1 costs as much as the attention; from two sequences up, gathering every row's keys
+    to a common width costs 1.2-5x the FlexAttention call, which reads each row's own pages.
+    """
+    return rows == 1 and cap is None and device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def _region_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, region, scale: float | None) -> Tensor:

@@ -136,7 +136,7 @@ class Engine:
         self.cache = model._flexpage.cache
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(self.cache, max_batch_size, max_tokens_per_step, CHUNK_BLOCK, prefix_caching)
-        self._exact_decode = gathered_decode(self.model.device, getattr(model.config, "attn_logit_softcapping", None))
+        self._lone_decode_eager = gathered_decode(self.model.device, getattr(model.config, "attn_logit_softcapping", None), 1)
         self.warmup_seconds = 0.0
         self._sampling: dict[int, tuple[SamplingParams, torch.Generator | None]] = {}
         self._next_index = 0
@@ -281,11 +281,12 @@ class Engine:
         ).logits[0]
 
     def _decode_len(self, count: int) -> int:
-        """The decode region's size: exact where decode attention is eager (nothing compiled
-        depends on it), else a power of two >= 4, so its compiled graphs are few."""
-        if not count or self._exact_decode:
+        """The decode region's size: a lone decode token attended eagerly takes one position
+        (nothing compiled depends on it), else a power of two >= 2, so compiled graphs are few
+        and a small batch is never padded to much more than itself."""
+        if count == 0 or count == 1 and self._lone_decode_eager:
             return count
-        return _bucket(count, 4)
+        return _bucket(count, 2)
 
     def step_shapes(self) -> list[tuple[int, int]]:
         """Every ``(decode_len, chunk_len)`` region size a step can have that compiles a graph:
@@ -295,7 +296,7 @@ class Engine:
             chunks.append(n)
             n *= 2
         chunks.append(n)
-        decodes = [] if self._exact_decode else sorted({self._decode_len(k) for k in range(1, self.scheduler.max_batch_size + 1)})
+        decodes = sorted({self._decode_len(k) for k in range(1 + self._lone_decode_eager, self.scheduler.max_batch_size + 1)})
         return [(0, c) for c in chunks] + [(d, 0) for d in decodes]
 
     @torch.inference_mode()
@@ -424,7 +425,7 @@ class Engine:
         stats = self.cache.stats()
         self._steps += 1
         self._attention_calls += (decode_len > 0) + (chunk_len > 0)
-        compiled = (("decode", 0 if self._exact_decode else decode_len), ("chunk", chunk_len))
+        compiled = (("decode", 0 if decode_len == 1 and self._lone_decode_eager else decode_len), ("chunk", chunk_len))
         self._shapes.update(shape for shape in compiled if shape[1])
         self._peak_pages = max(self._peak_pages, stats.pages_used)
         self._utilisation_sum += stats.utilisation

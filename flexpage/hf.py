@@ -244,7 +244,7 @@ def _make_attention(stock: str):
         if plan.fresh and plan.q_len > 1 and softcap is None:
             out = fresh_prefill_attention(query, key, value, plan, window, scale=scaling)
             return out.transpose(1, 2).contiguous(), None
-        if plan.q_len == 1 and gathered_decode(query.device, softcap):
+        if plan.q_len == 1 and gathered_decode(query.device, softcap, len(plan.row_ids)):
             out = decode_attention(query, key, value, attention_mask.decode_kv(window), scale=scaling)
             return out.transpose(1, 2).contiguous(), None
         pad = plan.q_len - query.shape[2]

@@ -205,7 +205,7 @@ class _StepMask(BlockMask):
 
 class PagedBlockMask(_StepMask):
     """The mask of a step whose rows are laid out as a (left-padded) batch: FlexAttention
-    metadata on demand; ``decode_kv`` for decode steps attended by SDPA over gathered pages."""
+    metadata on demand; ``decode_kv`` for a lone sequence's decode step attended by SDPA."""
 
     plan: StepPlan
 
@@ -236,43 +236,31 @@ class PagedBlockMask(_StepMask):
         return self._variant(("softcap", cap), lambda: paged_score_mod(self.page_table, self.plan, softcap(cap)))
 
     def decode_kv(self, window: int | None = None) -> "DecodeKV":
-        """Where a decode step's keys live, for attention over gathered K/V (``DecodeKV``)."""
-        return self._variant(("decode_kv", window), lambda: DecodeKV.for_rows(self.page_table, self.plan.row_ids, window))
+        """Where a lone sequence's decode keys live, for SDPA over its pages (``DecodeKV``)."""
+        (row,) = self.plan.row_ids
+        return self._variant(("decode_kv", window), lambda: DecodeKV.for_row(self.page_table, row, window))
 
 
 @dataclass(frozen=True)
 class DecodeKV:
-    """The slots a decode step's queries attend, one right-aligned row of ``width`` keys per
-    sequence: ``slots[b, j]`` holds position ``length_b - width + j`` (the step's own token
-    last). ``valid`` masks the columns before a shorter row's first visible token (None when
-    every row sees ``width`` keys). A single row whose keys fill consecutive slots is a plain
-    slice of the pool, ``start:start + width``, and needs no gather at all.
-    """
+    """The slots one sequence's decode query attends: its last ``width`` tokens (the step's own
+    token last), either a plain slice of the pool, ``start:start + width``, when they fill
+    consecutive slots, or the ``slots`` to gather."""
 
     width: int
-    start: int | None  # first slot of a single row stored contiguously, else None
-    slots: Tensor | None  # [B, width] int64 pool slots (None when ``start`` is set)
-    valid: Tensor | None  # [B, 1, 1, width] bool, or None when every key is real
+    start: int | None  # first slot when the keys are stored contiguously, else None
+    slots: Tensor | None  # [width] int64 pool slots (None when ``start`` is set)
 
     @classmethod
-    def for_rows(cls, page_table: PageTable, rows: tuple[int, ...], window: int | None) -> "DecodeKV":
-        """The keys of ``rows`` (each attending up to its last written token), within ``window``."""
-        page = page_table.page_size
-        lens = [page_table.seq_lens[r] for r in rows]
-        firsts = [0 if window is None else max(0, n - window) for n in lens]
-        width = max(n - f for n, f in zip(lens, firsts))
-        if len(rows) == 1:
-            pages = page_table.seq_pages[rows[0]][firsts[0] // page : cdiv(lens[0], page)]
-            if pages == list(range(pages[0], pages[0] + len(pages))):
-                return cls(width, pages[0] * page + firsts[0] % page, None, None)
-        device = page_table.device
-        positions = torch.tensor(lens)[:, None] - width + torch.arange(width)  # [B, width]
-        valid = positions >= torch.tensor(firsts)[:, None]
-        table = page_table.table[torch.tensor(rows, device=device)].long()
-        pos = positions.clamp_min(0).to(device)
-        slots = torch.where(valid.to(device), table.gather(1, pos // page) * page + pos % page, page_table.sink_slot)
-        uniform = all(n - f == width for n, f in zip(lens, firsts))
-        return cls(width, None, slots, None if uniform else valid[:, None, None, :].to(device))
+    def for_row(cls, page_table: PageTable, row: int, window: int | None) -> "DecodeKV":
+        """The keys of ``row`` up to its last written token, within ``window``."""
+        page, length = page_table.page_size, page_table.seq_lens[row]
+        first = 0 if window is None else max(0, length - window)
+        pages = page_table.seq_pages[row][first // page : cdiv(length, page)]
+        if pages == list(range(pages[0], pages[0] + len(pages))):
+            return cls(length - first, pages[0] * page + first % page, None)
+        slots = (torch.tensor(pages)[:, None] * page + torch.arange(page)).view(-1)[first % page :][: length - first]
+        return cls(length - first, None, slots.to(page_table.device))
 
 
 def _build(cls, page_table: PageTable, plan: StepPlan, mask_mod: MaskMod | None, q_block_size: int):
@@ -371,8 +359,8 @@ class PackedBlockMask(_StepMask):
     ``chunk_block`` tokens of one row). Each region's FlexAttention metadata is built from the
     page table when a layer asks for it (``region``): decode blocks of one token listing their
     own row's pages, chunk blocks listing their row's pages with those wholly before the
-    block as full blocks. A CPU decode region is attended by SDPA over gathered pages
-    instead (``decode_kv``), and never builds block metadata.
+    block as full blocks. A CPU decode region of one token is attended by SDPA over its
+    sequence's pages instead (``decode_kv``), and never builds block metadata.
     """
 
     plan: PackedPlan
@@ -403,9 +391,9 @@ class PackedBlockMask(_StepMask):
             start, end, _region_mask(self.page_table, plan, start, end, q_block, window), None))
 
     def decode_kv(self, window: int | None = None) -> DecodeKV:
-        """Where the decode tokens' keys live, for attention over gathered K/V (``DecodeKV``)."""
-        return self._variant(("decode_kv", window),
-                             lambda: DecodeKV.for_rows(self.page_table, self.plan.decode_rows, window))
+        """Where the lone decode token's keys live, for SDPA over its pages (``DecodeKV``)."""
+        (row,) = self.plan.decode_rows
+        return self._variant(("decode_kv", window), lambda: DecodeKV.for_row(self.page_table, row, window))
 
 
 def _region_mask(page_table: PageTable, plan: PackedPlan, start: int, end: int, q_block: int,

@@ -49,7 +49,7 @@ def test_mixed_workload_matches_stock(expected):
     assert stats.tokens_generated == sum(NEW_TOKENS)
     assert stats.prompt_tokens_computed == sum(LENGTHS)  # prefilled once: no preemption, no recompute
     assert stats.attention_calls > stats.steps  # some steps mixed decode tokens with prefill chunks
-    assert stats.forward_launches == stats.steps and stats.compiled_shapes <= 4
+    assert stats.forward_launches == stats.steps and stats.compiled_shapes <= len(engine.step_shapes())
     assert stats.preemptions == 0
     assert engine.cache.stats().pages_used == 0  # every finished request gave its pages back
     # other lengths in the same buckets: no new compiled graph
@@ -60,7 +60,8 @@ def test_mixed_workload_matches_stock(expected):
 
 def test_warmup_compiles_every_step_shape_so_serving_compiles_nothing(stock_llama):
     engine = make_engine(max_tokens_per_step=256)  # warm-up runs in the constructor
-    assert engine.step_shapes() == [(0, 64), (0, 128), (0, 256)]  # CPU decode regions compile nothing
+    # chunk regions, and decode regions of 2+ rows (a lone CPU decode token compiles nothing)
+    assert engine.step_shapes() == [(0, 64), (0, 128), (0, 256), (2, 0), (4, 0), (8, 0)]
     assert engine.stats().warmup_seconds > 0 and engine.stats().steps == 0
     pt = engine.cache.page_table
     assert pt.num_free_pages == pt.num_pages and not pt.active_rows  # scratch rows and pages given back
@@ -68,7 +69,7 @@ def test_warmup_compiles_every_step_shape_so_serving_compiles_nothing(stock_llam
     graphs = compiled_graphs()
     assert engine.generate(prompts, max_new_tokens=news) == [stock_greedy(stock_llama, p, n) for p, n in zip(prompts, news)]
     assert compiled_graphs() == graphs
-    assert engine.stats().compiled_shapes <= 3
+    assert engine.stats().compiled_shapes <= 6
 
 
 def test_a_lone_request_decodes_one_token_per_step(stock_llama):
