@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--probe-tolerance", type=float, default=1.5)
     parser.add_argument("--quick", action="store_true", help="llama-tiny, lengths 64 and 256, 8 new tokens, 2 repeats")
     parser.add_argument("--out", default="results")
+    parser.add_argument("--name", default="latency", help="stem of the result files")
     args = parser.parse_args(argv)
     args.model = models.chosen_model(args)
     if args.quick:
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
             "repeats": args.repeats, "page_size": args.page_size, "dtype": "float32",
             "dropped": dropped, "command": " ".join(sys.argv)}
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, "latency")
+    stem = os.path.join(args.out, args.name)
     flexpage.benchmark.write_records(stem, records, meta)
     plot(records, stem)
     print_summary(records)

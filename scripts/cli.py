@@ -4,6 +4,7 @@
     flexpage-bench throughput --quick     # many mixed requests (scripts/bench_throughput.py)
     flexpage-bench prefix --quick         # shared prefixes (scripts/bench_prefix.py)
     flexpage-bench attention --quick      # one layer's paged attention (scripts/bench_attention.py)
+    flexpage-bench startup --quick        # fresh process to first token, cold and warm (scripts/bench_startup.py)
     flexpage-bench generate               # wrapped vs stock generate() (scripts/generate.py)
 
 Each subcommand takes its script's options (``flexpage-bench latency --help``); ``--model``
@@ -20,6 +21,7 @@ COMMANDS = {
     "throughput": "scripts.bench_throughput",
     "prefix": "scripts.bench_prefix",
     "attention": "scripts.bench_attention",
+    "startup": "scripts.bench_startup",
     "generate": "scripts.generate",
 }
 
