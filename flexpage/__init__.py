@@ -1,17 +1,16 @@
 """flexpage: a global paged KV cache for PyTorch models, served through FlexAttention."""
 
 from . import masks
-from .attention import decode_attention, fresh_prefill_attention, packed_attention, paged_attention
+from .attention import fresh_prefill_attention, packed_attention, paged_attention, sequence_attention
 from .cache import CacheStats, PagedKVCache
 from .engine import Engine, EngineStats, SamplingParams
 from .errors import FlexpageError, InvalidRequestError, OutOfPagesError, UnsupportedModelError
 from .hf import unwrap, wrap
-from .masks import DecodeKV, PackedBlockMask, PagedBlockMask, build_block_mask, paged_mask_mod, paged_score_mod
+from .masks import PackedBlockMask, PagedBlockMask, SequenceKV, build_block_mask, paged_mask_mod, paged_score_mod
 from .pages import PackedPlan, PageTable, StepPlan
 
 __all__ = [
     "CacheStats",
-    "DecodeKV",
     "Engine",
     "EngineStats",
     "FlexpageError",
@@ -23,16 +22,17 @@ __all__ = [
     "PagedBlockMask",
     "PagedKVCache",
     "SamplingParams",
+    "SequenceKV",
     "StepPlan",
     "UnsupportedModelError",
     "build_block_mask",
-    "decode_attention",
     "fresh_prefill_attention",
     "masks",
     "packed_attention",
     "paged_attention",
     "paged_mask_mod",
     "paged_score_mod",
+    "sequence_attention",
     "unwrap",
     "wrap",
 ]

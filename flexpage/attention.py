@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from .masks import DecodeKV, PackedBlockMask, ScoreMod
+from .masks import PackedBlockMask, ScoreMod, SequenceKV
 from .pages import StepPlan
 
 
@@ -109,20 +109,22 @@ def fresh_prefill_attention(
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed[:, None], scale=scale, enable_gqa=gqa)
 
 
-def decode_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, kv: DecodeKV,
-                     scale: float | None = None) -> Tensor:
-    """A lone sequence's decode attention, by SDPA over its keys in the pools.
+def sequence_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, kv: SequenceKV,
+                       scale: float | None = None) -> Tensor:
+    """One sequence's attention by SDPA over its keys in the pools: a decode token
+    (``query`` ``[1, Hq, 1, D]``) or a prefill chunk (``[1, Hq, n, D]``, masked by ``kv.allowed``).
 
-    ``query`` is ``[1, Hq, 1, D]``; ``kv`` (``decode_kv`` of the step's mask) names the keys'
-    slots. Keys in consecutive slots are attended in place (a slice of the pool, no copy),
-    others are gathered first. See ``gathered_decode`` for when this is the kernel.
+    ``kv`` (``decode_kv`` / ``chunk_kv`` of the step's mask) names the keys' slots. Keys in
+    consecutive slots are attended in place (a slice of the pool, no copy), others are
+    gathered first. See ``sdpa_over_pages`` for when this is the kernel.
     """
     if kv.start is not None:
         keys = key_pool[:, :, kv.start : kv.start + kv.width]
         values = value_pool[:, :, kv.start : kv.start + kv.width]
     else:
         keys, values = key_pool[:, :, kv.slots], value_pool[:, :, kv.slots]
-    return F.scaled_dot_product_attention(query, keys, values, scale=scale, enable_gqa=query.shape[1] != keys.shape[1])
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=kv.allowed, scale=scale,
+                                          enable_gqa=query.shape[1] != keys.shape[1])
 
 
 def packed_attention(
@@ -136,36 +138,45 @@ def packed_attention(
 ) -> Tensor:
     """Attention of a ragged step's packed ``query`` ``[1, Hq, T, D]`` over the pools.
 
-    The step's prefill chunks are one compiled FlexAttention call; its decode tokens are
-    attended as a batch of one-token rows, by one compiled FlexAttention call with one-token
-    query blocks, or, for a lone decode token where that is the faster kernel
-    (``gathered_decode``), by SDPA over its sequence's pages. ``window`` and ``cap`` select the
-    layer's variant (sliding window, logit soft-cap). Returns ``[1, Hq, T, Dv]``.
+    Each region is one compiled FlexAttention call: the decode tokens as a batch of one-token
+    rows (query blocks of one token), the prefill chunks in blocks of ``chunk_block`` tokens.
+    A region holding a single sequence's tokens (a lone decode token, a lone chunk) is
+    attended by SDPA over that sequence's pages instead where that is the faster kernel
+    (``sdpa_over_pages``). ``window`` and ``cap`` select the layer's variant (sliding window,
+    logit soft-cap). Returns ``[1, Hq, T, Dv]``.
     """
     plan = block_mask.plan
     if query.shape[0] != 1 or query.dim() != 4 or query.shape[2] != plan.q_len:
         raise ValueError(f"a packed step takes a query of shape (1, heads, {plan.q_len}, dim), got {tuple(query.shape)}")
     outputs = []
-    if plan.decode_len == len(plan.decode_rows) == 1 and gathered_decode(query.device, cap, 1):
-        outputs.append(decode_attention(query[:, :, :1], key_pool, value_pool, block_mask.decode_kv(window), scale))
+    if plan.decode_len == len(plan.decode_rows) == 1 and sdpa_over_pages(query.device, cap, 1):
+        outputs.append(sequence_attention(query[:, :, :1], key_pool, value_pool, block_mask.decode_kv(window), scale))
     elif plan.decode_len:
         outputs.append(_region_attention(query, key_pool, value_pool, block_mask.region("decode", window, cap), scale))
-    if plan.q_len > plan.decode_len:
+    if plan.q_len > plan.decode_len and sdpa_over_pages(query.device, cap, len(plan.chunks)):
+        n = plan.chunks[0][1]
+        chunk = query[:, :, plan.decode_len : plan.decode_len + n]
+        outputs.append(sequence_attention(chunk, key_pool, value_pool, block_mask.chunk_kv(window), scale))
+        if plan.decode_len + n < plan.q_len:  # the region's padding: its outputs are never read
+            outputs.append(query.new_zeros(1, query.shape[1], plan.q_len - plan.decode_len - n, value_pool.shape[-1]))
+    elif plan.q_len > plan.decode_len:
         outputs.append(_region_attention(query, key_pool, value_pool, block_mask.region("chunk", window, cap), scale))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
 
-def gathered_decode(device: torch.device, cap: float | None, rows: int) -> bool:
-    """Whether a decode step of ``rows`` sequences is attended by SDPA over the pages
-    (``decode_attention``) instead of FlexAttention: on CPU, eagerly, for a lone sequence of a
-    layer without a score mod (SDPA has none).
+def sdpa_over_pages(device: torch.device, cap: float | None, sequences: int) -> bool:
+    """Whether queries of ``sequences`` sequences are attended by SDPA over the pages
+    (``sequence_attention``) instead of FlexAttention: on CPU, eagerly, for a lone sequence of
+    a layer without a score mod (SDPA has none).
 
-    Measured on CPU (one layer, small-Llama heads): for one sequence SDPA is about 2x faster
-    than the FlexAttention template and skips the compiled call's per-call dispatch, which at
-    batch 1 costs as much as the attention; from two sequences up, gathering every row's keys
-    to a common width costs 1.2-5x the FlexAttention call, which reads each row's own pages.
+    Measured on CPU (one layer, small-Llama heads): for one decode token SDPA is about 2x
+    faster than the FlexAttention template and skips the compiled call's per-call dispatch,
+    which at batch 1 costs as much as the attention; a 512-token chunk after 1024 cached
+    tokens takes FlexAttention 2.6x SDPA's time. From two sequences up, gathering every
+    sequence's keys to a common width costs 1.2-5x the FlexAttention call, which reads each
+    sequence's own pages.
     """
-    return rows == 1 and cap is None and device.type == "cpu" and not torch.compiler.is_compiling()
+    return sequences == 1 and cap is None and device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def _region_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, region, scale: float | None) -> Tensor:

@@ -26,7 +26,7 @@ from transformers.generation.logits_process import (
 )
 
 from .errors import InvalidRequestError, OutOfPagesError
-from .attention import gathered_decode
+from .attention import sdpa_over_pages
 from .hf import wrap
 from .masks import PackedBlockMask
 from .pages import cdiv
@@ -136,7 +136,7 @@ class Engine:
         self.cache = model._flexpage.cache
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(self.cache, max_batch_size, max_tokens_per_step, CHUNK_BLOCK, prefix_caching)
-        self._lone_decode_eager = gathered_decode(self.model.device, getattr(model.config, "attn_logit_softcapping", None), 1)
+        self._lone_decode_eager = sdpa_over_pages(self.model.device, getattr(model.config, "attn_logit_softcapping", None), 1)
         self.warmup_seconds = 0.0
         self._sampling: dict[int, tuple[SamplingParams, torch.Generator | None]] = {}
         self._next_index = 0
@@ -290,13 +290,16 @@ class Engine:
 
     def step_shapes(self) -> list[tuple[int, int]]:
         """Every ``(decode_len, chunk_len)`` region size a step can have that compiles a graph:
-        each chunk-region bucket, and each decode-region bucket when decode is compiled too."""
+        each chunk-region bucket and each decode-region bucket (a lone sequence's region,
+        attended by SDPA on CPU, compiles nothing)."""
         chunks, n = [], MIN_CHUNK_REGION
         while n < self.scheduler.max_tokens_per_step:
             chunks.append(n)
             n *= 2
         chunks.append(n)
         decodes = sorted({self._decode_len(k) for k in range(1 + self._lone_decode_eager, self.scheduler.max_batch_size + 1)})
+        if self.scheduler.max_batch_size == 1 and self._lone_decode_eager:
+            chunks = []  # one sequence at a time: every region is a lone sequence's, attended by SDPA
         return [(0, c) for c in chunks] + [(d, 0) for d in decodes]
 
     @torch.inference_mode()
@@ -305,20 +308,24 @@ class Engine:
         request ever waits on a compile; returns the seconds it took (also in ``stats()``).
 
         Each shape runs one forward over scratch rows (zeros as tokens), then the rows are freed:
-        the pool, the prefix cache and the counters are as they were.
+        the pool, the prefix cache and the counters are as they were. A chunk region is warmed
+        with two chunks, since a lone chunk is attended by SDPA and compiles nothing.
         """
         start = time.perf_counter()
         pt = self.cache.page_table
         for decode_len, chunk_len in tqdm(self.step_shapes(), desc="warm-up", unit="shape", disable=not progress):
-            # truly free pages only: cached prefix pages are not evicted for a warm-up
-            tokens = min(chunk_len, pt.max_pages_per_seq * pt.page_size, (len(pt.free_pages) - decode_len) * pt.page_size)
-            if chunk_len and tokens < 1 or len(pt.free_pages) < decode_len:
+            free = len(pt.free_pages) - decode_len - 1  # truly free pages: cached prefix pages stay
+            tokens = min(chunk_len, CHUNK_BLOCK + min(free, pt.max_pages_per_seq) * pt.page_size)
+            if free < 0 or chunk_len and tokens <= CHUNK_BLOCK:
                 raise OutOfPagesError(f"warm-up needs free pages for a step of shape {(decode_len, chunk_len)}: "
                                       f"call it while the engine is idle")
-            rows = [self.cache.add_sequence() for _ in range(decode_len + (chunk_len > 0))]
+            split = self.scheduler.max_batch_size > 1  # two chunks where two rows may run
+            rows = [self.cache.add_sequence() for _ in range(decode_len + (1 + split) * (chunk_len > 0))]
+            chunks = [(rows[-1], tokens)] if chunk_len else []
+            if chunk_len and split:
+                chunks = [(rows[-2], CHUNK_BLOCK), (rows[-1], tokens - CHUNK_BLOCK)]
             try:
-                plan = self.cache.begin_packed_step(rows[:decode_len], [(rows[-1], tokens)] if chunk_len else [],
-                                                    decode_len, chunk_len, CHUNK_BLOCK)
+                plan = self.cache.begin_packed_step(rows[:decode_len], chunks, decode_len, chunk_len, CHUNK_BLOCK)
                 self._forward([0] * plan.q_len, plan, [0])
             finally:
                 for row in rows:

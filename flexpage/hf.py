@@ -28,7 +28,7 @@ from transformers import CompileConfig, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from .attention import decode_attention, fresh_prefill_attention, gathered_decode, packed_attention, paged_attention
+from .attention import fresh_prefill_attention, packed_attention, paged_attention, sdpa_over_pages, sequence_attention
 from .cache import PagedKVCache
 from .errors import UnsupportedModelError
 from .masks import PackedBlockMask, PagedBlockMask
@@ -244,8 +244,8 @@ def _make_attention(stock: str):
         if plan.fresh and plan.q_len > 1 and softcap is None:
             out = fresh_prefill_attention(query, key, value, plan, window, scale=scaling)
             return out.transpose(1, 2).contiguous(), None
-        if plan.q_len == 1 and gathered_decode(query.device, softcap, len(plan.row_ids)):
-            out = decode_attention(query, key, value, attention_mask.decode_kv(window), scale=scaling)
+        if plan.q_len == 1 and sdpa_over_pages(query.device, softcap, len(plan.row_ids)):
+            out = sequence_attention(query, key, value, attention_mask.decode_kv(window), scale=scaling)
             return out.transpose(1, 2).contiguous(), None
         pad = plan.q_len - query.shape[2]
         out = paged_attention(

@@ -235,32 +235,40 @@ class PagedBlockMask(_StepMask):
             return None
         return self._variant(("softcap", cap), lambda: paged_score_mod(self.page_table, self.plan, softcap(cap)))
 
-    def decode_kv(self, window: int | None = None) -> "DecodeKV":
-        """Where a lone sequence's decode keys live, for SDPA over its pages (``DecodeKV``)."""
+    def decode_kv(self, window: int | None = None) -> "SequenceKV":
+        """Where a lone sequence's decode keys live, for SDPA over its pages (``SequenceKV``)."""
         (row,) = self.plan.row_ids
-        return self._variant(("decode_kv", window), lambda: DecodeKV.for_row(self.page_table, row, window))
+        return self._variant(("decode_kv", window), lambda: SequenceKV.for_row(self.page_table, row, window))
 
 
 @dataclass(frozen=True)
-class DecodeKV:
-    """The slots one sequence's decode query attends: its last ``width`` tokens (the step's own
-    token last), either a plain slice of the pool, ``start:start + width``, when they fill
-    consecutive slots, or the ``slots`` to gather."""
+class SequenceKV:
+    """The slots of one sequence's last ``width`` keys (its newest token last): a plain slice of
+    the pool, ``start:start + width``, when they fill consecutive slots, else the ``slots`` to
+    gather; ``allowed`` (``[queries, width]`` bool) masks keys per query when a step feeds the
+    sequence several queries (a prefill chunk), None for one query that sees every key."""
 
     width: int
     start: int | None  # first slot when the keys are stored contiguously, else None
     slots: Tensor | None  # [width] int64 pool slots (None when ``start`` is set)
+    allowed: Tensor | None = None
 
     @classmethod
-    def for_row(cls, page_table: PageTable, row: int, window: int | None) -> "DecodeKV":
-        """The keys of ``row`` up to its last written token, within ``window``."""
+    def for_row(cls, page_table: PageTable, row: int, window: int | None, queries: int = 1) -> "SequenceKV":
+        """The keys the last ``queries`` tokens of ``row`` attend (causal, within ``window``)."""
         page, length = page_table.page_size, page_table.seq_lens[row]
-        first = 0 if window is None else max(0, length - window)
+        first = 0 if window is None else max(0, length - queries + 1 - window)
         pages = page_table.seq_pages[row][first // page : cdiv(length, page)]
+        allowed = None
+        if queries > 1:
+            q_pos = torch.arange(length - queries, length)[:, None]
+            k_pos = torch.arange(first, length)[None, :]
+            allowed = k_pos <= q_pos if window is None else (k_pos <= q_pos) & (q_pos - k_pos < window)
+            allowed = allowed.to(page_table.device)
         if pages == list(range(pages[0], pages[0] + len(pages))):
-            return cls(length - first, pages[0] * page + first % page, None)
+            return cls(length - first, pages[0] * page + first % page, None, allowed)
         slots = (torch.tensor(pages)[:, None] * page + torch.arange(page)).view(-1)[first % page :][: length - first]
-        return cls(length - first, None, slots.to(page_table.device))
+        return cls(length - first, None, slots.to(page_table.device), allowed)
 
 
 def _build(cls, page_table: PageTable, plan: StepPlan, mask_mod: MaskMod | None, q_block_size: int):
@@ -359,8 +367,9 @@ class PackedBlockMask(_StepMask):
     ``chunk_block`` tokens of one row). Each region's FlexAttention metadata is built from the
     page table when a layer asks for it (``region``): decode blocks of one token listing their
     own row's pages, chunk blocks listing their row's pages with those wholly before the
-    block as full blocks. A CPU decode region of one token is attended by SDPA over its
-    sequence's pages instead (``decode_kv``), and never builds block metadata.
+    block as full blocks. On CPU a region holding one sequence's tokens (a lone decode
+    token, a lone prefill chunk) is attended by SDPA over that sequence's pages instead
+    (``decode_kv``, ``chunk_kv``), and never builds block metadata.
     """
 
     plan: PackedPlan
@@ -390,10 +399,16 @@ class PackedBlockMask(_StepMask):
         return self._variant((name, window, None), lambda: (
             start, end, _region_mask(self.page_table, plan, start, end, q_block, window), None))
 
-    def decode_kv(self, window: int | None = None) -> DecodeKV:
-        """Where the lone decode token's keys live, for SDPA over its pages (``DecodeKV``)."""
+    def decode_kv(self, window: int | None = None) -> SequenceKV:
+        """Where the lone decode token's keys live, for SDPA over its pages (``SequenceKV``)."""
         (row,) = self.plan.decode_rows
-        return self._variant(("decode_kv", window), lambda: DecodeKV.for_row(self.page_table, row, window))
+        return self._variant(("decode_kv", window), lambda: SequenceKV.for_row(self.page_table, row, window))
+
+    def chunk_kv(self, window: int | None = None) -> SequenceKV:
+        """The keys of the lone prefill chunk's sequence and its causal mask, for SDPA."""
+        ((row, num_tokens),) = self.plan.chunks
+        return self._variant(("chunk_kv", window),
+                             lambda: SequenceKV.for_row(self.page_table, row, window, num_tokens))
 
 
 def _region_mask(page_table: PageTable, plan: PackedPlan, start: int, end: int, q_block: int,

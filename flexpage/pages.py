@@ -55,6 +55,7 @@ class PackedPlan:
     tok_rows: torch.Tensor  # [q_len] int64, page-table row of each token
     tok_pos: torch.Tensor  # [q_len] int64, logical position of each token (-1: padding)
     decode_rows: tuple[int, ...]  # the rows of the leading decode tokens, on the host
+    chunks: tuple[tuple[int, int], ...]  # ``(row, num_tokens)`` of each prefill chunk, on the host
     decode_len: int
     chunk_block: int
     q_len: int
@@ -396,6 +397,7 @@ class PageTable:
             tok_rows=self._tensor(rows),
             tok_pos=self._tensor(positions),
             decode_rows=tuple(decode_rows),
+            chunks=tuple(chunks),
             decode_len=decode_len,
             chunk_block=chunk_block,
             q_len=q_len,

@@ -210,7 +210,7 @@ def test_decode_attention_matches_sdpa(window, context, seed):
         write_step(cache, [row], [keys[:, :-1]], [values[:, :-1]])
     plan, (kp, vp) = write_step(cache, [row], [keys[:, -1:]], [values[:, -1:]])
     query = torch.randn(1, 8, 1, HEAD_DIM)
-    out = flexpage.decode_attention(query, kp, vp, flexpage.PagedBlockMask.for_step(cache.page_table, plan).decode_kv(window))
+    out = flexpage.sequence_attention(query, kp, vp, flexpage.PagedBlockMask.for_step(cache.page_table, plan).decode_kv(window))
     ref = reference_attention(query[0], keys, values, torch.tensor([context]), 0, masks.sliding_window(window) if window else None)
     assert (out[0] - ref).abs().max() <= 1e-5
 
@@ -226,7 +226,7 @@ def test_decode_attention_reads_a_lone_contiguous_row_in_place():
     assert kv.slots is None and kv.start == 26 and kv.width == 24  # the last 24 tokens, a slice of the pool
     query = torch.randn(1, 8, 1, HEAD_DIM)
     ref = reference_attention(query[0], k, v, torch.tensor([49]), 0, masks.sliding_window(24))
-    assert (flexpage.decode_attention(query, kp, vp, kv)[0] - ref).abs().max() <= 1e-5
+    assert (flexpage.sequence_attention(query, kp, vp, kv)[0] - ref).abs().max() <= 1e-5
 
 
 def test_fresh_prefill_without_padding_is_plain_causal_attention():

@@ -32,7 +32,7 @@ def paged_calls(monkeypatch):
     """Counts calls of flexpage's attention kernels (paged FlexAttention, SDPA for prefills from
     scratch, SDPA over gathered pages for CPU decode steps), to prove the paged path ran."""
     calls = []
-    for name in ("paged_attention", "fresh_prefill_attention", "decode_attention"):
+    for name in ("paged_attention", "fresh_prefill_attention", "sequence_attention"):
         real = getattr(flexpage_hf, name)
 
         def counting(*args, _real=real, **kwargs):

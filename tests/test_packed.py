@@ -49,7 +49,7 @@ def _ragged_step(decode_ctx, chunks, window, cap, seed, decode_len=DECODE_LEN, c
         ref = reference_attention(query[0][:, at], keys[i], values[i], q_pos, 0, mask_mod, score_mod)
         torch.testing.assert_close(out[0][:, at].double(), ref, atol=1e-5, rtol=1e-5)
     assert torch.isfinite(out).all()  # padding positions included
-    return cache, plan
+    return cache, plan, mask
 
 
 @pytest.mark.parametrize("window, cap", [(None, None), (24, None), (None, 2.0)])
@@ -64,13 +64,22 @@ def test_ragged_step_matches_per_sequence_reference(window, cap, decode_ctx, chu
 
 
 def test_decode_only_and_chunk_only_steps():
-    cache, plan = _ragged_step([5, 16, 77], [], None, None, seed=1, chunk_len=0)
+    cache, plan, _ = _ragged_step([5, 16, 77], [], None, None, seed=1, chunk_len=0)
     assert plan.q_len == DECODE_LEN and cache.page_table.seq_lens[:3] == [6, 17, 78]
-    cache, plan = _ragged_step([], [(0, 33), (17, 30)], None, None, seed=2, decode_len=0)
+    cache, plan, _ = _ragged_step([], [(0, 33), (17, 30)], None, None, seed=2, decode_len=0)
     # chunks start on 16-token block boundaries: 33 tokens take 3 blocks, the next chunk starts at 48
     assert plan.tok_pos[:33].tolist() == list(range(33)) and plan.tok_pos[33:48].eq(-1).all()
     assert plan.tok_pos[48:78].tolist() == list(range(17, 47))
     assert (plan.slots[0, plan.tok_pos < 0] == cache.page_table.sink_slot).all()
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_a_lone_sequence_region_is_attended_over_its_pages_without_block_metadata(window):
+    """A lone decode token and a lone chunk (after 100 cached tokens) take SDPA over their pages on CPU."""
+    for decode_ctx, chunks in (([], [(100, 37)]), ([40], []), ([40], [(0, 20)])):
+        _, _, mask = _ragged_step(decode_ctx, chunks, window, None, seed=4, decode_len=len(decode_ctx),
+                                  chunk_len=CHUNK_LEN if chunks else 0)
+        assert not any(key[0] in ("decode", "chunk") for key in mask._variants)  # no FlexAttention region built
 
 
 def test_layout_that_does_not_fit_leaves_cache_unchanged():
