@@ -200,7 +200,7 @@ def test_fresh_prefill_attention_matches_sdpa(window):
 @pytest.mark.parametrize("window", [None, 24])
 @settings(max_examples=8, deadline=None)
 @given(context=st.integers(0, 300) | st.sampled_from([0, 15, 16, 23, 24]), seed=st.integers(0, 2**16))
-def test_decode_attention_matches_sdpa(window, context, seed):
+def test_sequence_attention_of_a_decode_token_matches_sdpa(window, context, seed):
     """A lone sequence's CPU decode step attends its pages with SDPA, wherever they landed."""
     torch.manual_seed(seed)
     cache = make_cache(16, 25, 2, HEAD_DIM, seed=seed)  # a shuffled pool: pages are gathered
@@ -215,7 +215,7 @@ def test_decode_attention_matches_sdpa(window, context, seed):
     assert (out[0] - ref).abs().max() <= 1e-5
 
 
-def test_decode_attention_reads_a_lone_contiguous_row_in_place():
+def test_sequence_attention_reads_a_contiguous_sequence_in_place():
     cache = flexpage.PagedKVCache(num_layers=1, num_kv_heads=2, head_dim=HEAD_DIM, page_size=16, num_pages=32,
                                   max_batch_size=2)
     row = cache.add_sequence()
