@@ -123,7 +123,7 @@ def sequence_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, kv: 
         values = value_pool[:, :, kv.start : kv.start + kv.width]
     else:
         keys, values = key_pool[:, :, kv.slots], value_pool[:, :, kv.slots]
-    return F.scaled_dot_product_attention(query, keys, values, attn_mask=kv.allowed, scale=scale,
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=kv.allowed, is_causal=kv.causal, scale=scale,
                                           enable_gqa=query.shape[1] != keys.shape[1])
 
 

@@ -25,8 +25,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from .errors import InvalidRequestError, OutOfPagesError
 from .attention import sdpa_over_pages
+from .errors import InvalidRequestError, OutOfPagesError
 from .hf import wrap
 from .masks import PackedBlockMask
 from .pages import cdiv
@@ -320,12 +320,13 @@ class Engine:
                 raise OutOfPagesError(f"warm-up needs free pages for a step of shape {(decode_len, chunk_len)}: "
                                       f"call it while the engine is idle")
             split = self.scheduler.max_batch_size > 1  # two chunks where two rows may run
-            rows = [self.cache.add_sequence() for _ in range(decode_len + (1 + split) * (chunk_len > 0))]
+            decoding = min(decode_len, self.scheduler.max_batch_size)  # a bucket may exceed the rows
+            rows = [self.cache.add_sequence() for _ in range(decoding + (1 + split) * (chunk_len > 0))]
             chunks = [(rows[-1], tokens)] if chunk_len else []
             if chunk_len and split:
                 chunks = [(rows[-2], CHUNK_BLOCK), (rows[-1], tokens - CHUNK_BLOCK)]
             try:
-                plan = self.cache.begin_packed_step(rows[:decode_len], chunks, decode_len, chunk_len, CHUNK_BLOCK)
+                plan = self.cache.begin_packed_step(rows[:decoding], chunks, decode_len, chunk_len, CHUNK_BLOCK)
                 self._forward([0] * plan.q_len, plan, [0])
             finally:
                 for row in rows:

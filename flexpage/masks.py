@@ -167,7 +167,7 @@ def build_block_mask(
     default causal mask, pages entirely visible to every query of the block are "full"
     blocks, for which the kernel skips mask evaluation.
     """
-    return _build(BlockMask, page_table, plan, mask_mod, q_block_size)
+    return _build(page_table, plan, mask_mod, q_block_size)
 
 
 class _StepMask(BlockMask):
@@ -226,8 +226,7 @@ class PagedBlockMask(_StepMask):
     def with_window(self, window: int | None) -> BlockMask:
         """This step's causal BlockMask, restricted to a sliding window of ``window`` tokens."""
         mask_mod = None if window is None else sliding_window(window)
-        return self._variant(("window", window), lambda: _build(BlockMask, self.page_table, self.plan, mask_mod,
-                                                                Q_BLOCK_SIZE))
+        return self._variant(("window", window), lambda: _build(self.page_table, self.plan, mask_mod, Q_BLOCK_SIZE))
 
     def softcap_mod(self, cap: float | None) -> ScoreMod | None:
         """The physical-slot soft-capping score mod for this step (None when ``cap`` is None)."""
@@ -246,12 +245,15 @@ class SequenceKV:
     """The slots of one sequence's last ``width`` keys (its newest token last): a plain slice of
     the pool, ``start:start + width``, when they fill consecutive slots, else the ``slots`` to
     gather; ``allowed`` (``[queries, width]`` bool) masks keys per query when a step feeds the
-    sequence several queries (a prefill chunk), None for one query that sees every key."""
+    sequence several queries (a prefill chunk), None for one query that sees every key, or
+    when the queries are exactly the keys' tokens (``causal``: a fresh chunk attends its own
+    tokens causally, SDPA's faster unmasked path)."""
 
     width: int
     start: int | None  # first slot when the keys are stored contiguously, else None
     slots: Tensor | None  # [width] int64 pool slots (None when ``start`` is set)
     allowed: Tensor | None = None
+    causal: bool = False
 
     @classmethod
     def for_row(cls, page_table: PageTable, row: int, window: int | None, queries: int = 1) -> "SequenceKV":
@@ -259,19 +261,19 @@ class SequenceKV:
         page, length = page_table.page_size, page_table.seq_lens[row]
         first = 0 if window is None else max(0, length - queries + 1 - window)
         pages = page_table.seq_pages[row][first // page : cdiv(length, page)]
-        allowed = None
-        if queries > 1:
+        allowed, causal = None, queries > 1 and queries == length - first and (window is None or queries <= window)
+        if queries > 1 and not causal:
             q_pos = torch.arange(length - queries, length)[:, None]
             k_pos = torch.arange(first, length)[None, :]
             allowed = k_pos <= q_pos if window is None else (k_pos <= q_pos) & (q_pos - k_pos < window)
             allowed = allowed.to(page_table.device)
         if pages == list(range(pages[0], pages[0] + len(pages))):
-            return cls(length - first, pages[0] * page + first % page, None, allowed)
+            return cls(length - first, pages[0] * page + first % page, None, allowed, causal)
         slots = (torch.tensor(pages)[:, None] * page + torch.arange(page)).view(-1)[first % page :][: length - first]
-        return cls(length - first, None, slots.to(page_table.device), allowed)
+        return cls(length - first, None, slots.to(page_table.device), allowed, causal)
 
 
-def _build(cls, page_table: PageTable, plan: StepPlan, mask_mod: MaskMod | None, q_block_size: int):
+def _build(page_table: PageTable, plan: StepPlan, mask_mod: MaskMod | None, q_block_size: int) -> BlockMask:
     uniform = plan.q_len == 1 and page_table.device.type == "cpu" and len(plan.rows) > 1
     kv_num, kv_indices, full_num, full_indices = _block_metadata(
         page_table.table,
@@ -287,7 +289,7 @@ def _build(cls, page_table: PageTable, plan: StepPlan, mask_mod: MaskMod | None,
         full_causal=mask_mod is None,
         uniform=uniform,
     )
-    return cls.from_kv_blocks(
+    return BlockMask.from_kv_blocks(
         kv_num,
         kv_indices,
         full_num,

@@ -70,6 +70,7 @@ def test_warmup_compiles_every_step_shape_so_serving_compiles_nothing(stock_llam
     assert engine.generate(prompts, max_new_tokens=news) == [stock_greedy(stock_llama, p, n) for p, n in zip(prompts, news)]
     assert compiled_graphs() == graphs
     assert engine.stats().compiled_shapes <= 6
+    assert (8, 0) in make_engine(max_batch_size=6).step_shapes()  # a decode bucket wider than the rows warms up too
 
 
 def test_a_lone_request_decodes_one_token_per_step(stock_llama):
