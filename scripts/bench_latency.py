@@ -211,8 +211,10 @@ def plot(records: list[dict], stem: str) -> None:
                 ref = [ys[0] * (1 + (PAPER_GROWTH - 1) * (x - xs[0]) / max(1, 2048 - xs[0])) for x in xs]
                 ax.plot(xs, ref, ":", color="gray", label="paper: 2x from 128 to 2048")
         ax.set_xscale("log", base=2)
-        if key != "peak_mem_mb":
+        values = [r[key] for r in records if key in r and r[key] > 0]
+        if key != "peak_mem_mb" and values and max(values) > 10 * min(values):
             ax.set_yscale("log")  # use_cache=False grows so fast that a linear axis flattens the rest
+            ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.minorticks_off()
         ax.set(xlabel="context length (tokens)", ylabel=label, title=label)
         ax.set_xticks(lengths, [str(x) for x in lengths])
