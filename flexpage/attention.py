@@ -147,7 +147,9 @@ def packed_attention(
     """
     plan = block_mask.plan
     if query.shape[0] != 1 or query.dim() != 4 or query.shape[2] != plan.q_len:
-        raise ValueError(f"a packed step takes a query of shape (1, heads, {plan.q_len}, dim), got {tuple(query.shape)}")
+        raise ValueError(
+            f"a packed step takes a query of shape (1, heads, {plan.q_len}, dim), got {tuple(query.shape)}"
+        )
     outputs = []
     if plan.decode_len == len(plan.decode_rows) == 1 and sdpa_over_pages(query.device, cap, 1):
         outputs.append(sequence_attention(query[:, :, :1], key_pool, value_pool, block_mask.decode_kv(window), scale))

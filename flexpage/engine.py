@@ -136,7 +136,8 @@ class Engine:
         self.cache = model._flexpage.cache
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(self.cache, max_batch_size, max_tokens_per_step, CHUNK_BLOCK, prefix_caching)
-        self._lone_decode_eager = sdpa_over_pages(self.model.device, getattr(model.config, "attn_logit_softcapping", None), 1)
+        softcap = getattr(model.config, "attn_logit_softcapping", None)
+        self._lone_decode_eager = sdpa_over_pages(self.model.device, softcap, 1)  # a lone decode token takes SDPA
         self.warmup_seconds = 0.0
         self._sampling: dict[int, tuple[SamplingParams, torch.Generator | None]] = {}
         self._next_index = 0
@@ -297,7 +298,8 @@ class Engine:
             chunks.append(n)
             n *= 2
         chunks.append(n)
-        decodes = sorted({self._decode_len(k) for k in range(1 + self._lone_decode_eager, self.scheduler.max_batch_size + 1)})
+        first = 2 if self._lone_decode_eager else 1
+        decodes = sorted({self._decode_len(k) for k in range(first, self.scheduler.max_batch_size + 1)})
         if self.scheduler.max_batch_size == 1 and self._lone_decode_eager:
             chunks = []  # one sequence at a time: every region is a lone sequence's, attended by SDPA
         return [(0, c) for c in chunks] + [(d, 0) for d in decodes]

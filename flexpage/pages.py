@@ -231,10 +231,13 @@ class PageTable:
         self.seq_lens[row] = length
         for page in dropped:
             self._unref(page)
-        if keep:
+        if keep and self.ref_counts[pages[-1]] == 1:  # a private last page holds what is kept
+            fill = length - (keep - 1) * self.page_size
+            self.live_tokens += fill - self.page_fill[pages[-1]]
+            self.page_fill[pages[-1]] = fill
+        elif keep:  # shared: the other owners may hold more of it
             self._refill(pages[-1])
-            if self.ref_counts[pages[-1]] > 1:
-                self._uneven.add(pages[-1])
+            self._uneven.add(pages[-1])
         self._mirror(row)
 
     # ------------------------------------------------------------------ growth
@@ -309,8 +312,8 @@ class PageTable:
         q_start = self._tensor([n - q_len for n in lens], torch.int32)
         slots = self._tensor(slots).view(len(lens), q_len)
         fresh = all(length == n for length, n in zip(lens, new_tokens))
-        return StepPlan(rows=rows_t, row_ids=tuple(rows), row_lens=tuple(lens), q_start=q_start, kv_lens=kv_lens, slots=slots, q_len=q_len,
-                        max_new=max(new_tokens, default=0), fresh=fresh)
+        return StepPlan(rows=rows_t, row_ids=tuple(rows), row_lens=tuple(lens), q_start=q_start, kv_lens=kv_lens,
+                        slots=slots, q_len=q_len, max_new=max(new_tokens, default=0), fresh=fresh)
 
     # ------------------------------------------------------------------ prefix cache
     def register(self, row: int, index: int, key: bytes) -> None:
