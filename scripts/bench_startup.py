@@ -1,92 +1,11 @@
-"""Start-up: seconds from a fresh process to its first generated token, cold and warm.
+"""Fresh process to first token, cold and warm compile cache: ``flexpage bench startup`` as a file, same options (code: flexpage/bench/startup.py)."""
 
-Each configuration runs in its own new Python process, twice: *cold* with an empty inductor
-compile cache (a first run on a new machine), then *warm* with the cache the cold run left
-(every later process). Reported per run: seconds to import, to build the model, and from the
-model being ready to the first token (for the Engine this includes its warm-up, which
-compiles or loads every step shape; its own seconds are reported too).
-
-    python scripts/bench_startup.py               # llama-small: stock, wrap, Engine
-    python scripts/bench_startup.py --quick       # llama-tiny, stock and wrap only, for CI
-"""
-
-from __future__ import annotations
-
-import argparse
-import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the repository root, for models/
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's flexpage, installed or not
 
-import models  # noqa: E402
-from flexpage.benchmark import machine_info, write_records  # noqa: E402
-
-CONFIGS = ("stock", "wrap", "engine")
-# What one child process runs: build the model, then time to the first token of a 300-token prompt.
-CHILD = r"""
-import json, sys, time
-start = time.perf_counter()
-import torch, flexpage, models
-from transformers import LogitsProcessorList
-from flexpage.benchmark import TokenClock
-imported = time.perf_counter()
-config, model_name = sys.argv[1], sys.argv[2]
-model = models.load(model_name)
-built = time.perf_counter()
-ids = torch.randint(3, model.config.vocab_size, (1, 300), generator=torch.Generator().manual_seed(0))
-warmup = 0.0
-if config == "engine":
-    engine = flexpage.Engine(model, max_cached_tokens=16384, max_batch_size=int(sys.argv[3]), max_tokens_per_step=512)
-    warmup = engine.stats().warmup_seconds
-    next(iter(engine.stream([ids[0].tolist()], max_new_tokens=2)))
-    first = time.perf_counter()
-else:
-    clock = TokenClock()
-    target = flexpage.wrap(model) if config == "wrap" else model
-    target.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([clock]))
-    first = clock.times[0]
-print(json.dumps({"import_s": imported - start, "build_s": built - imported, "first_token_s": first - built,
-                  "engine_warmup_s": warmup, "total_s": first - start}))
-"""
-
-
-def run_child(config: str, model: str, cache_dir: str, engine_batch: int) -> dict:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
-    out = subprocess.run([sys.executable, "-c", CHILD, config, model, str(engine_batch)], env=env, cwd=ROOT,
-                         check=True, capture_output=True, text=True, timeout=1800)
-    return {k: round(v, 2) for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    models.add_model_argument(parser)
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
-    parser.add_argument("--engine-batch", type=int, default=32, help="Engine max_batch_size (its decode shapes)")
-    parser.add_argument("--quick", action="store_true", help="llama-tiny, stock and wrap only")
-    parser.add_argument("--out", default="results")
-    parser.add_argument("--name", default="startup", help="stem of the result files")
-    args = parser.parse_args(argv)
-    args.model = models.chosen_model(args)
-    if args.quick:
-        args.configs = [c for c in args.configs if c != "engine"]
-    records = []
-    for config in args.configs:
-        with tempfile.TemporaryDirectory(prefix="inductor-") as cache_dir:  # empty: a cold start
-            for start in ("cold", "warm"):
-                result = run_child(config, args.model, cache_dir, args.engine_batch)
-                records.append({"config": config, "start": start, **result})
-                print(f"{config:>7} {start}: {result}", flush=True)
-    meta = {"machine": machine_info(), "model": args.model, "engine_batch": args.engine_batch,
-            "command": " ".join(sys.argv)}
-    stem = os.path.join(args.out, args.name)
-    write_records(stem, records, meta)
-    print(f"wrote {stem}.csv, {stem}.json")
-
+from flexpage.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(["bench", "startup", *sys.argv[1:]]))

@@ -1,27 +1,54 @@
-"""The ``flexpage-bench`` console script and ``--model`` taking a local save_pretrained directory."""
+"""The ``flexpage`` command: subcommands, help, errors, a local model directory, and the scripts as files."""
 
+import argparse
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import models
+import pytest
 
+from flexpage import cli, zoo
+from flexpage.bench.measure import add_out_argument, out_dir
+from notebook_runner import run_notebook
+
+ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
-def test_console_script_lists_commands_and_rejects_unknown_ones():
-    done = subprocess.run([str(BIN / "flexpage-bench"), "nonsense"], capture_output=True, text=True, timeout=120,
-                          check=False)
-    assert done.returncode == 2 and "flexpage-bench latency" in done.stderr
+def test_console_script_help_and_unknown_commands():
+    done = subprocess.run([str(BIN / "flexpage"), "--help"], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0
+    for line in ("flexpage generate", *(f"flexpage bench {name}" for name in cli.BENCHMARKS)):
+        assert line in done.stdout
+    done = subprocess.run([str(BIN / "flexpage"), "nonsense"], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2 and "unknown command 'nonsense'" in done.stderr
+    assert cli.main([]) == 2 and cli.main(["bench"]) == 2 and cli.main(["bench", "nonsense"]) == 2
 
 
-def test_prefix_benchmark_on_a_local_model_directory(tmp_path):
-    """bench_prefix --quick on a model saved to disk: caching halves the pages and changes no token."""
+@pytest.mark.parametrize("command", [["generate"], *(["bench", name] for name in cli.BENCHMARKS)])
+def test_each_subcommand_has_help(command, capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main([*command, "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: flexpage {' '.join(command)}")
+    assert ("--out" in out and "--quick" in out) if command[0] == "bench" else "--model" in out
+
+
+def test_script_file_runs_its_subcommand():
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_latency.py"), "--help"], capture_output=True,
+                          text=True, timeout=120, check=True)
+    assert done.stdout.startswith("usage: flexpage bench latency")
+
+
+def test_prefix_benchmark_on_a_local_model_directory_and_its_notebook(tmp_path, monkeypatch):
+    """bench prefix --quick on a model saved to disk: caching halves the pages and changes no token."""
     model_dir = tmp_path / "model"
-    models.build("llama-tiny").save_pretrained(model_dir)
+    zoo.build("llama-tiny").save_pretrained(model_dir)
     out = tmp_path / "out"
-    subprocess.run([str(BIN / "flexpage-bench"), "prefix", "--quick", "--model", str(model_dir), "--out", str(out)],
+    subprocess.run([str(BIN / "flexpage"), "bench", "prefix", "--quick", "--model", str(model_dir), "--out", str(out)],
                    check=True, timeout=900)
     data = json.loads((out / "prefix.json").read_text())
     assert data["meta"]["model"] == str(model_dir) and not data["meta"]["errors"]
@@ -34,3 +61,23 @@ def test_prefix_benchmark_on_a_local_model_directory(tmp_path):
         assert cached["peak_pages"] < plain["peak_pages"]
         assert {"stock_padded_b4", "stock_continuous_batching"} <= {c for s, c in rows if s == scenario}
     assert (out / "prefix.png").stat().st_size > 0
+    assert run_notebook("prefix_sharing", out, monkeypatch) == 1
+
+
+def test_attention_notebook_runs_the_quick_benchmark(tmp_path, monkeypatch):
+    assert run_notebook("paged_attention", tmp_path, monkeypatch) == 1
+    records = json.loads((tmp_path / "bench_attention.json").read_text())["records"]
+    assert {r["config"] for r in records} == {"paged", "mask_build", "sdpa_contiguous", "flex_contiguous"}
+    assert all(r["median_ms"] > 0 for r in records)
+
+
+def test_quick_mode_never_writes_into_results(tmp_path):
+    """Without --out, a quick run goes to a new temporary directory, not over the committed figures."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    add_out_argument(parser)
+    quick = out_dir(parser.parse_args(["--quick"]))
+    shutil.rmtree(quick)
+    assert Path(quick).parent != ROOT and "flexpage-quick-" in quick
+    assert out_dir(parser.parse_args(["--quick", "--out", str(tmp_path)])) == str(tmp_path)
+    assert parser.parse_args([]).default_out == "results"

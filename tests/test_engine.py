@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import flexpage
-import models
+from flexpage import zoo
 from flexpage import InvalidRequestError
-from flexpage.benchmark import compiled_graphs
+from flexpage.bench.measure import compiled_graphs
 
 VOCAB = 256  # the tiny configs' vocabulary
 LENGTHS = (5, 37, 130, 64, 17, 200, 3, 90)
@@ -28,7 +28,7 @@ def stock_greedy(model, prompt, new_tokens):
 
 @pytest.fixture(scope="module")
 def stock_llama():
-    return models.build("llama-tiny")
+    return zoo.build("llama-tiny")
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def expected(stock_llama):
 
 def make_engine(arch="llama", **kwargs):
     options = dict(page_size=16, max_cached_tokens=2048, max_batch_size=8, max_tokens_per_step=128) | kwargs
-    return flexpage.Engine(models.build(f"{arch}-tiny"), **options)
+    return flexpage.Engine(zoo.build(f"{arch}-tiny"), **options)
 
 
 def test_mixed_workload_matches_stock(expected):
@@ -97,7 +97,7 @@ def test_preemption_under_a_small_pool_changes_no_token(expected):
 
 @pytest.mark.parametrize("arch", ["mistral", "gemma2"])  # sliding windows; Gemma 2 also soft-caps logits
 def test_attention_variants_match_stock(arch):
-    stock = models.build(f"{arch}-tiny")
+    stock = zoo.build(f"{arch}-tiny")
     prompts, news = workload((40, 130, 9, 75)), [20, 12, 25, 16]
     expected = [stock_greedy(stock, p, n) for p, n in zip(prompts, news)]
     assert make_engine(arch).generate(prompts, max_new_tokens=news) == expected

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, T5Config, T5ForConditionalGeneration
 
 import flexpage
-import models
+from flexpage import zoo
 from flexpage import OutOfPagesError, PagedKVCache, UnsupportedModelError
 from flexpage import hf as flexpage_hf
 
@@ -47,10 +47,10 @@ def greedy(model, ids, mask, **kwargs):
     return model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=0, **kwargs)
 
 
-@pytest.mark.parametrize("arch", models.ARCHITECTURES)
+@pytest.mark.parametrize("arch", zoo.ARCHITECTURES)
 def test_greedy_generate_matches_stock(arch, paged_calls):
-    stock = models.build(f"{arch}-tiny")
-    paged = flexpage.wrap(models.build(f"{arch}-tiny"), page_size=16, max_cached_tokens=2048)
+    stock = zoo.build(f"{arch}-tiny")
+    paged = flexpage.wrap(zoo.build(f"{arch}-tiny"), page_size=16, max_cached_tokens=2048)
     ids, mask = prompts()
     forwards = 0
     for rows in ([1], [0, 1, 2]):  # one 37-token prompt alone, then the left-padded batch
@@ -65,8 +65,8 @@ def test_greedy_generate_matches_stock(arch, paged_calls):
 
 
 def test_sampling_eos_and_max_new_tokens_match_stock(paged_calls):
-    stock = models.build("llama-tiny")
-    paged = flexpage.wrap(models.build("llama-tiny"))
+    stock = zoo.build("llama-tiny")
+    paged = flexpage.wrap(zoo.build("llama-tiny"))
     ids, mask = prompts()
     for seed in (0, 1):
         torch.manual_seed(seed)
@@ -86,7 +86,7 @@ def test_sampling_eos_and_max_new_tokens_match_stock(paged_calls):
 
 
 def test_saved_and_reloaded_model(tmp_path):
-    models.build("qwen2-tiny", seed=3).save_pretrained(tmp_path)
+    zoo.build("qwen2-tiny", seed=3).save_pretrained(tmp_path)
     stock = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     paged = flexpage.wrap(AutoModelForCausalLM.from_pretrained(tmp_path).eval())
     ids, mask = prompts((12, 30))
@@ -95,8 +95,8 @@ def test_saved_and_reloaded_model(tmp_path):
 
 @pytest.mark.parametrize("alias", ["cache", "past_key_values"])
 def test_explicit_cache_holds_exactly_the_live_tokens(alias):
-    model = flexpage.wrap(models.build("llama-tiny"))
-    stock = models.build("llama-tiny")
+    model = flexpage.wrap(zoo.build("llama-tiny"))
+    stock = zoo.build("llama-tiny")
     cache = PagedKVCache(model.config, page_size=16, num_pages=64, max_batch_size=4)
     ids, mask = prompts()
     new = 12
@@ -109,8 +109,8 @@ def test_explicit_cache_holds_exactly_the_live_tokens(alias):
 
 
 def test_out_of_pages_raises_before_overwriting_and_next_call_succeeds():
-    stock = models.build("llama-tiny")
-    model = flexpage.wrap(models.build("llama-tiny"))
+    stock = zoo.build("llama-tiny")
+    model = flexpage.wrap(zoo.build("llama-tiny"))
     cache = PagedKVCache(model.config, page_size=16, num_pages=4, max_batch_size=2)  # 64 tokens
     ids, mask = prompts((60,))
     with pytest.raises(OutOfPagesError):
@@ -124,7 +124,7 @@ def test_out_of_pages_raises_before_overwriting_and_next_call_succeeds():
         assert torch.allclose(keys, reference.cache.layers[layer].keys[0], atol=1e-4)
         assert torch.allclose(values, reference.cache.layers[layer].values[0], atol=1e-4)
     # through wrap: the failing call raises, releases its pages, and a fitting call then works
-    small = flexpage.wrap(models.build("llama-tiny"), max_cached_tokens=64)
+    small = flexpage.wrap(zoo.build("llama-tiny"), max_cached_tokens=64)
     with pytest.raises(OutOfPagesError):
         greedy(small, ids, mask, max_new_tokens=10)
     assert small._flexpage.cache.stats().pages_used == 0
@@ -133,9 +133,9 @@ def test_out_of_pages_raises_before_overwriting_and_next_call_succeeds():
 
 
 def test_no_recompiles_for_2048_token_prompt_and_64_decode_steps():
-    from flexpage.benchmark import compiled_graphs
+    from flexpage.bench.measure import compiled_graphs
 
-    model = flexpage.wrap(models.build("llama-tiny"), max_cached_tokens=4096)
+    model = flexpage.wrap(zoo.build("llama-tiny"), max_cached_tokens=4096)
     ids, mask = prompts((2048,))
     first = greedy(model, ids, mask, max_new_tokens=64, min_new_tokens=64)  # warm-up: compiles prefill + decode
     graphs = compiled_graphs()
@@ -148,8 +148,8 @@ def test_no_recompiles_for_2048_token_prompt_and_64_decode_steps():
 def test_bfloat16_agrees_with_float32_stock():
     """bf16 paged decoding, teacher-forced on float32 stock's greedy tokens, predicts the same next token
     at >= 95% of positions (free-running bf16 would compound a single early flip into every later token)."""
-    stock = models.build("llama-tiny")
-    paged = flexpage.wrap(models.build("llama-tiny", dtype=torch.bfloat16))
+    stock = zoo.build("llama-tiny")
+    paged = flexpage.wrap(zoo.build("llama-tiny", dtype=torch.bfloat16))
     cache = PagedKVCache(paged.config, page_size=16, num_pages=64, max_batch_size=4, dtype=torch.bfloat16)
     ids, mask = prompts()
     new = 40
@@ -170,8 +170,8 @@ def test_bfloat16_agrees_with_float32_stock():
 
 
 def test_plain_forward_while_wrapped_and_unwrap_restore_stock():
-    stock = models.build("gemma2-tiny")
-    model = flexpage.wrap(models.build("gemma2-tiny"))
+    stock = zoo.build("gemma2-tiny")
+    model = flexpage.wrap(zoo.build("gemma2-tiny"))
     ids, mask = prompts((40, 40))
     expected = stock(ids, labels=ids)
     got = model(ids, labels=ids)  # scoring while wrapped: no paged cache, the stock path
@@ -186,7 +186,7 @@ def test_plain_forward_while_wrapped_and_unwrap_restore_stock():
 
 
 def test_cache_is_reused_and_released_over_100_calls():
-    model = flexpage.wrap(models.build("llama-tiny"), max_cached_tokens=1024)
+    model = flexpage.wrap(zoo.build("llama-tiny"), max_cached_tokens=1024)
     cache = model._flexpage.cache
     pointers = [layer.keys.data_ptr() for layer in cache.layers]
     ids, mask = prompts((9, 3))
@@ -200,8 +200,8 @@ def test_cache_is_reused_and_released_over_100_calls():
 def test_device_map_keeps_each_layers_pools_on_its_device():
     from accelerate import dispatch_model
 
-    stock = models.build("llama-tiny")
-    model = models.build("llama-tiny")
+    stock = zoo.build("llama-tiny")
+    model = zoo.build("llama-tiny")
     device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "cpu",
                   "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
     model = flexpage.wrap(dispatch_model(model, device_map=device_map))
@@ -215,18 +215,18 @@ def test_unsupported_models_raise_naming_model_and_reason():
     t5 = T5ForConditionalGeneration(T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, vocab_size=64))
     with pytest.raises(UnsupportedModelError, match="T5ForConditionalGeneration.*encoder-decoder"):
         flexpage.wrap(t5)
-    chunked = models.build("llama-tiny")
+    chunked = zoo.build("llama-tiny")
     chunked.config.attention_chunk_size = 64
     with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM.*attention_chunk_size"):
         flexpage.wrap(chunked)
-    flex = models.build("llama-tiny", attn_implementation="flex_attention")
+    flex = zoo.build("llama-tiny", attn_implementation="flex_attention")
     with pytest.raises(UnsupportedModelError, match="'flex_attention'"):
         flexpage.wrap(flex)
     assert flex.config._attn_implementation == "flex_attention" and "generate" not in vars(flex)
 
 
 def test_right_padding_is_rejected_and_leaves_cache_empty():
-    model = flexpage.wrap(models.build("llama-tiny"))
+    model = flexpage.wrap(zoo.build("llama-tiny"))
     ids, mask = prompts((5, 9))
     with pytest.raises(ValueError, match="left padding"):
         greedy(model, ids.flip(1), mask.flip(1), max_new_tokens=2)
@@ -234,15 +234,15 @@ def test_right_padding_is_rejected_and_leaves_cache_empty():
 
 
 def test_beam_search_and_multiple_return_sequences_match_stock():
-    stock = models.build("llama-tiny")
-    paged = flexpage.wrap(models.build("llama-tiny"))
+    stock = zoo.build("llama-tiny")
+    paged = flexpage.wrap(zoo.build("llama-tiny"))
     ids, mask = prompts((9, 21))
     kwargs = dict(num_beams=4, num_return_sequences=3, max_new_tokens=12, early_stopping=True)
     assert torch.equal(greedy(paged, ids, mask, **kwargs), greedy(stock, ids, mask, **kwargs))
 
 
 def test_cache_crop_select_and_repeat_keep_pages_consistent():
-    model = flexpage.wrap(models.build("llama-tiny"))
+    model = flexpage.wrap(zoo.build("llama-tiny"))
     cache = PagedKVCache(model.config, page_size=16, num_pages=32, max_batch_size=8)
     ids, mask = prompts((5, 20))
     greedy(model, ids, mask, max_new_tokens=6, min_new_tokens=6, cache=cache)
@@ -263,10 +263,10 @@ def test_cache_crop_select_and_repeat_keep_pages_consistent():
 
 
 def test_compiled_decode_matches_stock_without_recompiles():
-    from flexpage.benchmark import compiled_graphs
+    from flexpage.bench.measure import compiled_graphs
 
-    stock = models.build("llama-tiny")
-    model = flexpage.wrap(models.build("llama-tiny"), compile_decode=True)
+    stock = zoo.build("llama-tiny")
+    model = flexpage.wrap(zoo.build("llama-tiny"), compile_decode=True)
     ids, mask = prompts((20, 37))
     expected = greedy(stock, ids, mask, max_new_tokens=30)
     assert torch.equal(greedy(model, ids, mask, max_new_tokens=30), expected)  # warm-up: compiles

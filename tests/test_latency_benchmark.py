@@ -3,12 +3,9 @@
 import json
 import math
 import os
-from pathlib import Path
 
-import nbformat
-from nbclient import NotebookClient
+from notebook_runner import run_notebook
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"flexpage", "flexpage_compiled", "flexpage_engine", "stock_dynamic_sdpa", "stock_flex_attention", "stock_static", "stock_static_compiled",
            "stock_no_cache"}
 COLUMNS = {"ttft_ms", "decode_ms_per_token", "e2e_ms", "peak_mem_mb", "recompiles", "kv_live_bytes",
@@ -16,14 +13,7 @@ COLUMNS = {"ttft_ms", "decode_ms_per_token", "e2e_ms", "peak_mem_mb", "recompile
 
 
 def test_notebook_runs_quick_benchmark_and_draws_it(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLEXPAGE_NOTEBOOK_QUICK", "1")
-    monkeypatch.setenv("FLEXPAGE_NOTEBOOK_OUT", str(tmp_path))
-    notebook = nbformat.read(ROOT / "notebooks" / "latency_vs_length.ipynb", as_version=4)
-    NotebookClient(notebook, timeout=900, kernel_name="python3",
-                   resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
-    images = [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", [])
-              if "image/png" in o.get("data", {})]
-    assert len(images) == 3
+    assert run_notebook("latency_vs_length", tmp_path, monkeypatch) == 3
 
     data = json.loads((tmp_path / "latency.json").read_text())
     records = data["records"]

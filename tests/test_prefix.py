@@ -6,7 +6,7 @@ import pytest
 import torch
 from test_engine import VOCAB, make_engine, stock_greedy
 
-import models
+from flexpage import zoo
 
 SYSTEM = 100  # shared prompt tokens: 6 full pages of 16
 
@@ -17,7 +17,7 @@ def shared_workload():
     system = torch.randint(3, VOCAB, (SYSTEM,), generator=g).tolist()
     questions = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (10, 27, 5, 40, 16, 21)]
     prompts = [system + q for q in questions]
-    stock = models.build("llama-tiny")
+    stock = zoo.build("llama-tiny")
     return prompts, [stock_greedy(stock, p, 12) for p in prompts]
 
 

@@ -1,4 +1,5 @@
-"""The throughput benchmark's quick mode runs end to end and writes complete results (not timed)."""
+"""The throughput benchmark's quick mode runs end to end, writes complete results, and its notebook draws them
+(not timed)."""
 
 import json
 import math
@@ -6,13 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from notebook_runner import run_notebook
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"flexpage_engine", "flexpage_engine_first_run", "stock_padded_b1", "stock_padded_b4", "stock_continuous_batching"}
 COLUMNS = {"seconds", "generated_tokens", "tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p99_s",
            "speedup_vs_best_padded"}
 
 
-def test_quick_throughput_benchmark(tmp_path):
+def test_quick_throughput_benchmark_and_notebook(tmp_path, monkeypatch):
     subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_throughput.py"), "--quick", "--out", str(tmp_path)],
                    check=True, cwd=ROOT, timeout=900)
     data = json.loads((tmp_path / "throughput.json").read_text())
@@ -31,3 +34,4 @@ def test_quick_throughput_benchmark(tmp_path):
     assert len(trace) == engine["steps"] and all(0 < t["kv_utilisation"] <= 1 for t in trace)
     for name in ("throughput.csv", "throughput_kv_trace.csv", "throughput_vs_batch.png", "throughput_kv_utilisation.png"):
         assert (tmp_path / name).stat().st_size > 0, name
+    assert run_notebook("throughput", tmp_path, monkeypatch) == 2

@@ -2,18 +2,21 @@
 
 ``tiny`` configs keep the test suite fast; ``small`` ones (``llama-small`` is the benchmark
 default: ~57M parameters, hidden 512, 8 layers, 8 query / 2 KV heads, vocab 32000) are for
-benchmarks. Weights are never downloaded.
+benchmarks. Weights are never downloaded. The configs live in the repository's ``models/configs``;
+a wheel ships them inside the package (``flexpage/configs``).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-CONFIG_DIR = Path(__file__).parent / "configs"
+_PACKAGED = Path(__file__).parent / "configs"  # an installed wheel
+CONFIG_DIR = _PACKAGED if _PACKAGED.is_dir() else Path(__file__).resolve().parents[1] / "models" / "configs"
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")
 DEFAULT_MODEL = "llama-small"
 
@@ -65,12 +68,13 @@ def model_choice(value: str) -> str:
     raise ValueError(f"{value!r} is neither a zoo model ({', '.join(available())}) nor a local directory")
 
 
-def add_model_argument(parser) -> None:
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
     """The benchmarks' ``--model``; resolve it with ``chosen_model`` (``--quick`` picks llama-tiny)."""
     parser.add_argument("--model", type=model_choice,
                         help=f"a zoo model ({', '.join(available())}) or a local save_pretrained directory "
                              f"(default: {DEFAULT_MODEL}, llama-tiny with --quick)")
 
 
-def chosen_model(args) -> str:
+def chosen_model(args: argparse.Namespace) -> str:
+    """``--model``, else the default for the mode (``llama-tiny`` with ``--quick``)."""
     return args.model or ("llama-tiny" if getattr(args, "quick", False) else DEFAULT_MODEL)

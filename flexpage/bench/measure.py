@@ -1,4 +1,4 @@
-"""Timing, probes and counters shared by the benchmark scripts and notebooks.
+"""Timing, probes, counters and result files shared by the benchmarks and notebooks.
 
 These VMs have bursts of slowdown lasting minutes, so measurements interleave the
 configurations they compare, repeat, take medians, and time a small matmul probe before
@@ -7,11 +7,14 @@ and after each cell: a cell whose probe ran slow is measured again.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -147,6 +150,51 @@ def machine_info() -> dict:
     }
 
 
+def caption(meta: dict) -> str:
+    """What a figure was measured on, for its title: model, machine, threads, versions."""
+    m = meta["machine"]
+    device = m.get("cuda") or f"{m['cpu_count']} CPU cores ({m['processor']}), {m['torch_threads']} threads"
+    model = f"{meta['model']}, " if "model" in meta else ""
+    return f"{model}{device}, torch {m['torch']}"
+
+
+def add_out_argument(parser: argparse.ArgumentParser, default: str = "results") -> None:
+    """``--out``: the committed results directory for a full run; ``--quick`` runs default to a new
+    temporary directory, so a trial run never overwrites the measured figures."""
+    parser.add_argument("--out", help=f"directory for the CSV/JSON/PNG results (default: {default}; "
+                                      "with --quick, a new temporary directory)")
+    parser.set_defaults(default_out=default)
+
+
+def out_dir(args: argparse.Namespace) -> str:
+    """The directory chosen by ``add_out_argument``'s ``--out`` (created)."""
+    if args.out is None:
+        args.out = tempfile.mkdtemp(prefix="flexpage-quick-") if getattr(args, "quick", False) else args.default_out
+    os.makedirs(args.out, exist_ok=True)
+    return args.out
+
+
+def notebook_results(benchmark: str, committed: str) -> tuple[dict, str, str]:
+    """The results a notebook draws, the directory they are in, and a directory for its figures.
+
+    By default the committed full run (``committed``, a JSON path such as ``../results/latency.json``),
+    with figures drawn into a temporary directory so the committed PNGs stay as measured. With
+    ``FLEXPAGE_NOTEBOOK_QUICK=1`` (CI): the benchmark's ``--quick`` results in
+    ``FLEXPAGE_NOTEBOOK_OUT``, running ``flexpage bench <benchmark> --quick`` first if none are there.
+    """
+    if os.environ.get("FLEXPAGE_NOTEBOOK_QUICK") == "1":
+        out = os.environ["FLEXPAGE_NOTEBOOK_OUT"]
+        path = os.path.join(out, os.path.basename(committed))
+        if not os.path.exists(path):
+            subprocess.run([sys.executable, "-m", "flexpage.cli", "bench", benchmark, "--quick", "--out", out],
+                           check=True)
+        figures = out
+    else:
+        path, figures = committed, tempfile.mkdtemp(prefix="flexpage-figures-")
+    with open(path) as f:
+        return json.load(f), os.path.dirname(path), figures
+
+
 def write_records(path_stem: str, records: list[dict], meta: dict) -> None:
     """Write ``records`` as ``<stem>.csv`` and, with ``meta``, as ``<stem>.json``."""
     import csv
@@ -161,5 +209,5 @@ def write_records(path_stem: str, records: list[dict], meta: dict) -> None:
         json.dump({"meta": meta, "records": records}, f, indent=2, default=str)
 
 
-__all__ = ["PeakRSS", "Timing", "TokenClock", "compiled_graphs", "interleaved", "machine_info", "matmul_probe_ms",
-           "time_ms", "write_records"]
+__all__ = ["PeakRSS", "Timing", "TokenClock", "add_out_argument", "caption", "compiled_graphs", "interleaved",
+           "machine_info", "matmul_probe_ms", "notebook_results", "out_dir", "time_ms", "write_records"]

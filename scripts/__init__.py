@@ -1,1 +1,0 @@
-"""Benchmarks and demos built on flexpage and the model zoo (``flexpage-bench`` runs them)."""

@@ -1,0 +1,56 @@
+"""What a visitor sees: every file the README links to exists, notebooks are stored executed, and the
+wheel installs one top-level package."""
+
+import json
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+# Markdown links and images to repository files, and repository paths quoted in backticks.
+LINKED = {m for m in re.findall(r"\]\(([^)#\s]+)\)", README) if "://" not in m}
+QUOTED = set(re.findall(r"`((?:results|notebooks|scripts|models|flexpage|tests)/[\w./-]+\.(?:png|csv|json|ipynb|py))`",
+                        README))
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+def test_readme_links_and_paths_exist():
+    assert LINKED and QUOTED
+    missing = sorted(p for p in LINKED | QUOTED if not (ROOT / p).exists())
+    assert not missing, f"README points at files missing from the repository: {missing}"
+
+
+def test_readme_figures_are_tracked_by_git():
+    tracked = set(subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                                 check=True).stdout.split())
+    untracked = sorted(p for p in LINKED | QUOTED if (ROOT / p).is_file() and p not in tracked)
+    assert not untracked, f"README points at files git does not track: {untracked}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_is_stored_executed(path):
+    cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+    assert cells and all(c["execution_count"] for c in cells), "run every cell before committing"
+    outputs = [o for c in cells for o in c["outputs"]]
+    assert not [o for o in outputs if o["output_type"] == "error"]
+    assert any("image/png" in o.get("data", {}) for o in outputs), "a notebook shows its figures"
+
+
+def test_notebooks_cover_every_benchmark():
+    assert {p.stem for p in NOTEBOOKS} == {"latency_vs_length", "throughput", "prefix_sharing", "paged_attention"}
+
+
+def test_wheel_has_one_top_level_package(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(tmp_path), str(ROOT)],
+                   check=True, timeout=600, capture_output=True)
+    (wheel,) = tmp_path.glob("flexpage-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"flexpage"}
+    assert "flexpage/configs/llama-small.json" in names  # the zoo works from an installed wheel
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "flexpage = flexpage.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
