@@ -3,8 +3,8 @@
 from . import masks
 from .attention import fresh_prefill_attention, packed_attention, paged_attention, sequence_attention
 from .cache import CacheStats, PagedKVCache
-from .engine import Engine, EngineStats, SamplingParams
-from .errors import FlexpageError, InvalidRequestError, OutOfPagesError, UnsupportedModelError
+from .engine import Engine, EngineStats, SamplingParams, TokenLogprobs
+from .errors import FlexpageError, InvalidRequestError, OutOfPagesError, StepFailedError, UnsupportedModelError
 from .hf import unwrap, wrap
 from .masks import PackedBlockMask, PagedBlockMask, SequenceKV, build_block_mask, paged_mask_mod, paged_score_mod
 from .pages import PackedPlan, PageTable, StepPlan
@@ -23,7 +23,9 @@ __all__ = [
     "PagedKVCache",
     "SamplingParams",
     "SequenceKV",
+    "StepFailedError",
     "StepPlan",
+    "TokenLogprobs",
     "UnsupportedModelError",
     "build_block_mask",
     "fresh_prefill_attention",

@@ -1,6 +1,7 @@
 """``flexpage``: one command, with subcommands.
 
     flexpage generate            wrapped vs stock generate() on a zoo model (tokens must agree)
+    flexpage serve MODEL         an OpenAI-compatible server on the Engine (pip install flexpage[serve])
     flexpage bench latency       latency vs context length, flexpage vs stock
     flexpage bench throughput    many mixed requests: the Engine vs stock batching
     flexpage bench prefix        shared prefixes, with and without prefix caching
@@ -17,7 +18,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-COMMANDS = {"generate": "flexpage.bench.generate"}
+COMMANDS = {"generate": "flexpage.bench.generate", "serve": "flexpage.serve.cli"}
 BENCHMARKS = {name: f"flexpage.bench.{name}" for name in ("latency", "throughput", "prefix", "attention", "startup")}
 HELP = ("-h", "--help")
 

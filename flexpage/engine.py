@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator
 from typing import Sequence as Seq
 
 import torch
@@ -26,7 +26,7 @@ from transformers.generation.logits_process import (
 )
 
 from .attention import sdpa_over_pages
-from .errors import InvalidRequestError, OutOfPagesError
+from .errors import InvalidRequestError, OutOfPagesError, StepFailedError
 from .hf import wrap
 from .masks import PackedBlockMask
 from .pages import cdiv
@@ -34,6 +34,7 @@ from .scheduler import Scheduler, Sequence
 
 CHUNK_BLOCK = 16  # query block of prefill chunks (Triton's smallest tile); decode blocks are 1 token
 MIN_CHUNK_REGION = 64  # the smallest chunk-region bucket
+MAX_LOGPROBS = 20  # top alternatives a request may ask for (as OpenAI's API)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class SamplingParams:
     seed: int | None = None
     eos_token_id: int | Seq[int] | None = None  # None: the model's generation_config.eos_token_id
     num_return_sequences: int = 1  # samples of the prompt; they share its pages (copy-on-write)
+    logprobs: int | None = None  # report each token's log-probability and this many top alternatives (0-20)
 
     def check(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -60,6 +62,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be >= 1, got {self.top_k}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequestError(f"logprobs must be an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     def stop_tokens(self) -> frozenset[int]:
         eos = self.eos_token_id
@@ -74,6 +78,15 @@ class SamplingParams:
         if self.top_p is not None and self.top_p < 1.0:
             warpers.append(TopPLogitsWarper(self.top_p))
         return warpers
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token's log-probability under the model (before sampling warpers) and the
+    ``SamplingParams.logprobs`` most likely tokens at that position, best first."""
+
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass(frozen=True)
@@ -145,6 +158,12 @@ class Engine:
         if warmup:
             self.warmup()
 
+    @property
+    def max_seq_len(self) -> int:
+        """The most tokens (prompt + output) one request may hold in this cache."""
+        pt = self.cache.page_table
+        return min(pt.num_pages, pt.max_pages_per_seq) * pt.page_size
+
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: Seq[int] | str, params: SamplingParams | None = None) -> int:
         """Queue one request and return its index; raises ``InvalidRequestError`` (and queues
@@ -194,8 +213,7 @@ class Engine:
                 if index in mine:
                     yield index - first, token
         finally:  # a consumer that stops early cancels what is left of its requests
-            for index in self.scheduler.abort(lambda seq: seq.index in mine):
-                self._sampling.pop(index, None)
+            self.abort(mine)
 
     def generate(self, prompts: Seq[Seq[int] | str], max_new_tokens: int | Seq[int] = 16,
                  progress: bool = False, **sampling: Any) -> list[list[int]]:
@@ -206,6 +224,14 @@ class Engine:
                 outputs[i].append(token)
                 bar.update(self._finished - bar.n)
         return outputs
+
+    def abort(self, indices: Collection[int]) -> list[int]:
+        """Cancel requests by output index (all ``n`` outputs of a request to cancel it whole):
+        their pages are freed at once. Returns the indices that were still queued or running."""
+        dropped = self.scheduler.abort(lambda seq: seq.index in indices)
+        for index in indices:
+            self._sampling.pop(index, None)
+        return dropped
 
     def run(self) -> Iterator[tuple[int, int]]:
         """Step until every queued request has finished, yielding ``(request index, token)``."""
@@ -242,9 +268,11 @@ class Engine:
         forward_start = time.perf_counter()
         try:
             logits = self._forward(ids, plan, keep)
-        except BaseException:  # the step's tokens were never computed: give their slots back
+        except BaseException as error:  # the step's tokens were never computed: give their slots back
             for seq in batch.decode + [seq for seq, _ in batch.chunks]:
                 self.cache.page_table.truncate(seq.row, seq.num_computed)
+            if isinstance(error, Exception):
+                raise StepFailedError([seq.index for seq in batch.decode + [s for s, _ in batch.chunks]], error) from error
             raise
         forward_end = time.perf_counter()
         for seq in batch.decode:
@@ -254,14 +282,20 @@ class Engine:
         for seq in batch.decode + [seq for seq, _ in batch.chunks]:
             self.scheduler.register_pages(seq)
         produced = []
+        self.step_logprobs = {}
         greedy = logits.argmax(-1).tolist()  # one call for every greedy sequence of the step
         for seq, row in self._with_forks(sampled):
-            token = self._sample(seq, logits[row]) if self._sampling[seq.index][0].do_sample else greedy[row]
+            params = self._sampling[seq.index][0]
+            token = self._sample(seq, logits[row]) if params.do_sample else greedy[row]
+            if params.logprobs is not None:
+                self.step_logprobs[seq.index] = _logprobs(logits[row], token, params.logprobs)
             seq.append(token)
             if seq.index not in self.first_token_seconds:
                 self.first_token_seconds[seq.index] = time.perf_counter() - seq.arrival
+                self.cached_prompt_tokens[seq.index] = seq.cached_tokens
             produced.append((seq.index, token))
             if seq.finished:
+                self.finish_reasons[seq.index] = "stop" if token in seq.stop_token_ids else "length"
                 self.scheduler.finish(seq)
                 del self._sampling[seq.index]
                 self._finished += 1
@@ -388,12 +422,10 @@ class Engine:
         bad = [t for t in tokens if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        pt = self.cache.page_table
-        capacity = min(pt.num_pages, pt.max_pages_per_seq) * pt.page_size
-        if len(tokens) + params.max_new_tokens > capacity:
+        if len(tokens) + params.max_new_tokens > self.max_seq_len:
             raise InvalidRequestError(
                 f"prompt of {len(tokens)} tokens + max_new_tokens={params.max_new_tokens} exceeds the "
-                f"{capacity} tokens one sequence may hold in this cache"
+                f"{self.max_seq_len} tokens one sequence may hold in this cache"
             )
         return tokens
 
@@ -429,6 +461,9 @@ class Engine:
         self._shapes: set[tuple[str, int]] = set()
         self._hits_at_reset = self.scheduler.prefix_hit_tokens
         self.first_token_seconds: dict[int, float] = {}  # request index -> seconds from submission
+        self.cached_prompt_tokens: dict[int, int] = {}  # request index -> prompt tokens from the prefix cache
+        self.step_logprobs: dict[int, TokenLogprobs] = {}  # the last step's tokens, for requests asking logprobs
+        self.finish_reasons: dict[int, str] = {}  # request index -> "stop" (a stop token) or "length"
         self.history: list[StepRecord] = []
 
     def _record(self, batch, decode_len: int, chunk_len: int, produced: int) -> None:
@@ -443,6 +478,12 @@ class Engine:
         self._generated += produced
         self.history.append(StepRecord(time.perf_counter(), len(batch.decode), sum(n for _, n in batch.chunks),
                                        stats.pages_used, stats.utilisation))
+
+
+def _logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    logprobs = logits.float().log_softmax(-1)
+    values, ids = logprobs.topk(top) if top else (logprobs[:0], logprobs[:0].long())
+    return TokenLogprobs(float(logprobs[token]), list(zip(ids.tolist(), values.tolist())))
 
 
 def _bucket(n: int, smallest: int) -> int:

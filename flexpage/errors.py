@@ -20,3 +20,13 @@ class UnsupportedModelError(FlexpageError, NotImplementedError):
 class InvalidRequestError(FlexpageError, ValueError):
     """A request the Engine cannot serve (empty prompt, unknown token ids, too long, bad
     sampling options). Raised when the request is submitted; nothing else is disturbed."""
+
+
+class StepFailedError(FlexpageError, RuntimeError):
+    """An Engine step's forward failed. ``requests`` are the output indices of the requests in
+    that step; their uncomputed slots were given back, so they can be retried or aborted
+    (``Engine.abort``) while the others go on. The original error is the ``__cause__``."""
+
+    def __init__(self, requests: list[int], cause: BaseException) -> None:
+        super().__init__(f"step failed for requests {requests}: {type(cause).__name__}: {cause}")
+        self.requests = requests

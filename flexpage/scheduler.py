@@ -36,6 +36,7 @@ class Sequence:
     forks: int = 0  # sibling samples still to split off once the prompt is done (num_return_sequences - 1)
     block_keys: list[bytes] = field(default_factory=list)  # content keys of the first full pages
     num_registered: int = 0  # leading pages registered in the prefix cache
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache when first admitted
 
     def keys_upto(self, num_tokens: int, page_size: int) -> list[bytes]:
         """Content keys of the full pages among the first ``num_tokens`` tokens: a hash chained
@@ -149,6 +150,8 @@ class Scheduler:
                 pt.attach(seq.row, hit)
                 seq.num_registered, seq.num_computed = len(hit), len(hit) * page
                 self.prefix_hit_tokens += seq.num_computed
+                if not seq.output:
+                    seq.cached_tokens = max(seq.cached_tokens, seq.num_computed)
                 free -= revived
             self.running.append(seq)
             take(seq)
@@ -184,7 +187,8 @@ class Scheduler:
         """A sibling sample of a running sequence sharing all of its pages (copy-on-write)."""
         child = Sequence(index, list(seq.tokens), seq.prompt_len, seq.max_new_tokens, seq.stop_token_ids,
                          row=self.cache.fork(seq.row), num_computed=seq.num_computed, arrival=seq.arrival,
-                         block_keys=list(seq.block_keys), num_registered=seq.num_registered)
+                         block_keys=list(seq.block_keys), num_registered=seq.num_registered,
+                         cached_tokens=seq.cached_tokens)
         self.running.append(child)
         return child
 

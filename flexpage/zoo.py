@@ -2,8 +2,10 @@
 
 ``tiny`` configs keep the test suite fast; ``small`` ones (``llama-small`` is the benchmark
 default: ~57M parameters, hidden 512, 8 layers, 8 query / 2 KV heads, vocab 32000) are for
-benchmarks. Weights are never downloaded. The configs live in the repository's ``models/configs``;
-a wheel ships them inside the package (``flexpage/configs``).
+benchmarks. Weights are never downloaded. Each vocabulary size has a byte-level BPE tokenizer with a
+chat template (``load_tokenizer``; built by ``scripts/build_tokenizers.py``). Configs and tokenizers
+live in the repository's ``models/``; a wheel ships them inside the package (``flexpage/configs``,
+``flexpage/tokenizers``).
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel,
+                          PreTrainedTokenizerBase)
 
-_PACKAGED = Path(__file__).parent / "configs"  # an installed wheel
-CONFIG_DIR = _PACKAGED if _PACKAGED.is_dir() else Path(__file__).resolve().parents[1] / "models" / "configs"
+_PACKAGED = Path(__file__).parent  # an installed wheel: flexpage/configs, flexpage/tokenizers
+_DATA = _PACKAGED if (_PACKAGED / "configs").is_dir() else Path(__file__).resolve().parents[1] / "models"
+CONFIG_DIR, TOKENIZER_DIR = _DATA / "configs", _DATA / "tokenizers"
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")
 DEFAULT_MODEL = "llama-small"
 
@@ -59,6 +63,16 @@ def load(name_or_dir: str = DEFAULT_MODEL, **kwargs) -> PreTrainedModel:
         kwargs.pop("seed", None)
         return AutoModelForCausalLM.from_pretrained(name_or_dir, local_files_only=True, **kwargs).eval()
     return build(name_or_dir, **kwargs)
+
+
+def load_tokenizer(name_or_dir: str = DEFAULT_MODEL) -> PreTrainedTokenizerBase:
+    """The tokenizer of a zoo model (by its vocabulary size) or of a local model directory."""
+    if Path(name_or_dir).is_dir():
+        try:
+            return AutoTokenizer.from_pretrained(name_or_dir, local_files_only=True)
+        except (OSError, ValueError) as error:
+            raise ValueError(f"{name_or_dir} has no tokenizer files (save one with tokenizer.save_pretrained)") from error
+    return AutoTokenizer.from_pretrained(TOKENIZER_DIR / f"vocab-{load_config(name_or_dir).vocab_size}")
 
 
 def model_choice(value: str) -> str:

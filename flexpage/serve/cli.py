@@ -1,0 +1,44 @@
+"""``flexpage serve MODEL``: serve a zoo model or a local ``save_pretrained`` directory over
+OpenAI's API (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``,
+``/metrics``) with uvicorn. Every step shape is compiled before the port opens.
+
+    flexpage serve llama-tiny --port 8000
+    flexpage serve path/to/saved/model --max-cached-tokens 65536 --max-batch-size 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from .. import zoo
+from ..engine import Engine
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", type=zoo.model_choice, help="a zoo model name or a local save_pretrained directory")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", help="the name clients pass as `model` (default: MODEL)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--max-cached-tokens", type=int, default=32768, help="KV-cache pool size in tokens")
+    parser.add_argument("--max-batch-size", type=int, default=32, help="sequences running at once")
+    parser.add_argument("--max-tokens-per-step", type=int, default=512, help="tokens fed per step")
+    parser.add_argument("--max-waiting", type=int, default=256, help="queued requests before answering 429")
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        import uvicorn
+
+        from .app import build_app
+    except ImportError as error:
+        sys.exit(f"flexpage serve needs the serve extra: pip install 'flexpage[serve]' ({error})")
+    engine = Engine(zoo.load(args.model, dtype=getattr(torch, args.dtype)), page_size=args.page_size,
+                    max_cached_tokens=args.max_cached_tokens, max_batch_size=args.max_batch_size,
+                    max_tokens_per_step=args.max_tokens_per_step, prefix_caching=not args.no_prefix_caching)
+    app = build_app(engine, zoo.load_tokenizer(args.model), args.served_model_name or args.model, args.max_waiting)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")

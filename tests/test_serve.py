@@ -1,0 +1,316 @@
+"""``flexpage serve``: a real uvicorn server on 127.0.0.1 (ephemeral port), driven by the official
+``openai`` client; outputs checked against the same model's stock ``generate()``."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import openai
+import pytest
+import torch
+import uvicorn
+
+import flexpage
+from flexpage import zoo
+from flexpage.serve import build_app
+
+MODEL = "llama-tiny"
+BIN = Path(sys.executable).parent
+
+
+def free_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+@pytest.fixture(scope="module")
+def served():
+    # the Engine options of tests/test_engine.py: the same compiled step shapes
+    engine = flexpage.Engine(zoo.build(MODEL), page_size=16, max_cached_tokens=2048, max_batch_size=8,
+                             max_tokens_per_step=128)
+    tokenizer = zoo.load_tokenizer(MODEL)
+    app = build_app(engine, tokenizer, MODEL, max_waiting=64)
+    sock = free_socket()
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.05)
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    yield SimpleNamespace(base=base, client=openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0,
+                                                          timeout=120),
+                          engine=engine, tokenizer=tokenizer, runner=app.state.server.runner)
+    server.should_exit = True
+    thread.join(timeout=30)
+    sock.close()
+
+
+@pytest.fixture(scope="module")
+def stock():
+    return zoo.build(MODEL)
+
+
+def prompt_ids(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def stock_greedy(model, ids: list[int], max_tokens: int) -> list[int]:
+    out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def fetch(base: str, method: str, path: str, body: bytes | None = None) -> tuple[int, str]:
+    """One plain HTTP request (stdlib): status and body text."""
+    host, port = base.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        connection.request(method, path, body=body, headers={"content-type": "application/json"})
+        response = connection.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        connection.close()
+
+
+def wait_until(condition, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_greedy_completion_matches_stock(served, stock):
+    ids = prompt_ids(40)
+    expected = stock_greedy(stock, ids, 24)
+    out = served.client.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0)
+    (choice,) = out.choices
+    assert choice.text == served.tokenizer.decode(expected, skip_special_tokens=True)
+    assert choice.finish_reason == ("stop" if expected[-1] == 2 else "length")
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (40, len(expected))
+    assert out.usage.total_tokens == 40 + len(expected) and out.object == "text_completion"
+
+
+def test_concurrent_text_prompts_each_match_stock(served, stock):
+    texts = ["The quick brown fox", "Paged attention splits the KV cache into pages.", "héllo, 世界", "a" * 70]
+    client = openai.AsyncOpenAI(base_url=f"{served.base}/v1", api_key="none", max_retries=0, timeout=120)
+
+    async def all_at_once():
+        calls = [client.completions.create(model=MODEL, prompt=t, max_tokens=12, temperature=0) for t in texts]
+        return await asyncio.gather(*calls)
+
+    outs = asyncio.run(all_at_once())
+    for text, out in zip(texts, outs):
+        expected = stock_greedy(stock, served.tokenizer(text)["input_ids"], 12)
+        assert out.choices[0].text == served.tokenizer.decode(expected, skip_special_tokens=True)
+    # a list of prompts in one call: one choice per prompt, in order
+    many = served.client.completions.create(model=MODEL, prompt=texts[:2], max_tokens=12, temperature=0)
+    assert [c.text for c in many.choices] == [o.choices[0].text for o in outs[:2]]
+    assert [c.index for c in many.choices] == [0, 1]
+
+
+def test_stream_equals_non_stream_with_one_finish_reason_per_choice(served):
+    kwargs = dict(model=MODEL, prompt=prompt_ids(30, seed=1), max_tokens=20, temperature=0.9, top_p=0.95,
+                  seed=7, n=2, extra_body={"ignore_eos": True})
+    whole = served.client.completions.create(**kwargs)
+    texts, reasons = ["", ""], [[], []]
+    chunks = served.client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
+    usage = None
+    for chunk in chunks:
+        if chunk.usage is not None:
+            usage = chunk.usage
+            assert chunk.choices == []
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason is not None:
+                reasons[c.index].append(c.finish_reason)
+    assert texts == [c.text for c in whole.choices]
+    assert reasons == [["length"], ["length"]]  # ignore_eos: every sample runs to max_tokens
+    assert usage.completion_tokens == whole.usage.completion_tokens == 40
+
+
+def test_chat_streaming_role_first_and_usage(served):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
+    whole = served.client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=10,
+                                                  temperature=0)
+    assert whole.choices[0].message.role == "assistant" and whole.object == "chat.completion"
+    chunks = list(served.client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=10,
+                                                        temperature=0, stream=True,
+                                                        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert sum(1 for c in chunks if c.choices and c.choices[0].finish_reason) == 1
+    prompt = served.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert whole.usage.prompt_tokens == len(served.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+
+def test_stop_string_never_appears_even_while_streaming(served):
+    ids = prompt_ids(25, seed=3)
+    full = served.client.completions.create(model=MODEL, prompt=ids, max_tokens=30, temperature=0,
+                                            extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert len(stop) == 3
+    cut = served.client.completions.create(model=MODEL, prompt=ids, max_tokens=30, temperature=0,
+                                           extra_body={"ignore_eos": True}, stop=[stop, "never-appears"]).choices[0]
+    assert cut.text == full[: full.index(stop)] and cut.finish_reason == "stop"
+    streamed = [c.choices[0].text for c in served.client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=30, temperature=0, extra_body={"ignore_eos": True}, stop=stop, stream=True)]
+    assert "".join(streamed) == cut.text
+    assert not any(stop[:2] in s for s in streamed[:-1]) or stop[:2] in cut.text
+
+
+def test_logprobs_match_stock_log_softmax(served, stock):
+    ids = prompt_ids(20, seed=4)
+    out = served.client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0, logprobs=3,
+                                           extra_body={"ignore_eos": True})
+    ref = stock.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None,
+                         output_logits=True, return_dict_in_generate=True)
+    tokens = ref.sequences[0, len(ids):].tolist()
+    expected = [torch.log_softmax(logits[0].float(), -1)[t].item() for logits, t in zip(ref.logits, tokens)]
+    got = out.choices[0].logprobs
+    assert got.token_logprobs == pytest.approx(expected, abs=1e-4)
+    for top, lp in zip(got.top_logprobs, expected):  # keyed by token text: ids that decode alike share a key
+        assert 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(lp, abs=1e-4)  # greedy took the best
+    chat = served.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                 max_completion_tokens=4, temperature=0, logprobs=True,
+                                                 top_logprobs=2)
+    entries = chat.choices[0].logprobs.content
+    assert len(entries) == chat.usage.completion_tokens and all(len(e.top_logprobs) == 2 for e in entries)
+
+
+def test_prefix_cache_hits_are_reported(served):
+    ids = prompt_ids(70, seed=5)
+    first = served.client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0)
+    again = served.client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 64  # 4 full pages; the last token is recomputed
+    assert again.choices[0].text == first.choices[0].text
+    metrics = fetch(served.base, "GET", "/metrics")[1]
+    hits = [line for line in metrics.splitlines() if line.startswith("flexpage:prefix_cache_hits_total")]
+    assert hits and float(hits[0].split()[-1]) >= 64
+
+
+def test_bad_requests_get_openai_errors_and_change_nothing(served):
+    client = served.client
+    pages = served.engine.cache.stats().pages_used
+    cases = [
+        (dict(model="gpt-9", prompt="hi"), "not served here"),
+        (dict(model=MODEL, prompt="hi", temperature=5), "temperature"),
+        (dict(model=MODEL, prompt=[1, 2, 999]), "outside the vocabulary"),
+        (dict(model=MODEL, prompt="hi", max_tokens=5000), "exceeds"),
+        (dict(model=MODEL, prompt=""), "empty prompt"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(openai.BadRequestError) as error:
+            client.completions.create(**kwargs)
+        assert message in error.value.body["message"] and error.value.body["type"] == "invalid_request_error"
+    status, body = fetch(served.base, "POST", "/v1/completions", b"{not json")
+    assert status == 400 and json.loads(body)["error"]["type"] == "invalid_request_error"
+    # unknown fields are tolerated
+    ok = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"not_an_openai_field": 1})
+    assert len(ok.choices) == 1
+    assert served.engine.cache.stats().pages_used == pages == 0
+
+
+def test_full_queue_answers_429(served):
+    served.runner.max_waiting = 0
+    try:
+        with pytest.raises(openai.RateLimitError) as error:
+            served.client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert error.value.body["code"] == "queue_full"
+    finally:
+        served.runner.max_waiting = 64
+    assert served.client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
+
+
+def test_client_disconnect_aborts_and_frees_pages(served):
+    before = served.engine.stats().tokens_generated
+    host, port = served.base.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    body = {"model": MODEL, "prompt": prompt_ids(50, seed=6), "max_tokens": 1500, "stream": True, "ignore_eos": True,
+            "temperature": 0}
+    connection.request("POST", "/v1/completions", body=json.dumps(body), headers={"content-type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data:")
+    connection.close()  # the client goes away mid-stream
+    wait_until(lambda: not served.engine.scheduler.has_work)
+    assert served.engine.cache.stats().pages_used == 0
+    assert served.engine.stats().tokens_generated - before < 1500  # aborted: it did not run to its end
+    assert served.client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
+
+
+def test_failed_step_fails_its_requests_and_the_server_goes_on(served, monkeypatch):
+    real, calls = served.engine.model.forward, []
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("device lost")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(served.engine.model, "forward", fails_once)
+    with pytest.raises(openai.InternalServerError) as error:
+        served.client.completions.create(model=MODEL, prompt=prompt_ids(10), max_tokens=8, temperature=0)
+    assert "device lost" in error.value.body["message"]
+    monkeypatch.undo()
+    assert served.engine.cache.stats().pages_used == 0
+    assert fetch(served.base, "GET", "/health")[0] == 200
+    assert served.client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
+
+
+def test_models_health_and_metrics(served):
+    models = served.client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert fetch(served.base, "GET", "/health")[0] == 200
+    text = fetch(served.base, "GET", "/metrics")[1]
+    for name in ("flexpage:num_requests_running", "flexpage:num_requests_waiting", "flexpage:kv_cache_usage_perc",
+                 "flexpage:prefix_cache_queries_total", "flexpage:num_preemptions_total",
+                 "flexpage:prompt_tokens_total", "flexpage:generation_tokens_total",
+                 "flexpage:time_to_first_token_seconds_bucket", "flexpage:inter_token_latency_seconds_bucket",
+                 "flexpage:e2e_request_latency_seconds_count", "flexpage:request_success_total"):
+        assert name in text, name
+    generated = [line for line in text.splitlines() if line.startswith("flexpage:generation_tokens_total")]
+    assert float(generated[0].split()[-1]) > 0
+
+
+def test_flexpage_serve_command(tmp_path):
+    """The console command serves a save_pretrained directory with its own tokenizer; stopped by the test."""
+    model_dir = tmp_path / "model"
+    zoo.build(MODEL).save_pretrained(model_dir)
+    zoo.load_tokenizer(MODEL).save_pretrained(model_dir)
+    sock = free_socket()
+    port = sock.getsockname()[1]
+    sock.close()  # the server binds it next
+    server = subprocess.Popen([str(BIN / "flexpage"), "serve", str(model_dir), "--port", str(port),
+                               "--served-model-name", "mine", "--max-cached-tokens", "2048", "--max-batch-size", "8",
+                               "--max-tokens-per-step", "128"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
+            assert server.poll() is None, server.stdout.read().decode()[-2000:]
+            try:
+                return fetch(base, "GET", "/health")[0] == 200
+            except OSError:
+                return False
+
+        wait_until(up, seconds=300)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
+        out = client.completions.create(model="mine", prompt="Hello", max_tokens=4, temperature=0)
+        expected = stock_greedy(zoo.build(MODEL), zoo.load_tokenizer(MODEL)("Hello")["input_ids"], 4)
+        assert out.choices[0].text == zoo.load_tokenizer(MODEL).decode(expected, skip_special_tokens=True)
+        assert json.loads(fetch(base, "GET", "/v1/models")[1])["data"][0]["id"] == "mine"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
