@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -101,22 +102,32 @@ def test_greedy_completion_matches_stock(served, stock):
     assert out.usage.total_tokens == 40 + len(expected) and out.object == "text_completion"
 
 
-def test_concurrent_text_prompts_each_match_stock(served, stock):
-    texts = ["The quick brown fox", "Paged attention splits the KV cache into pages.", "héllo, 世界", "a" * 70]
+def test_sixteen_concurrent_requests_equal_one_at_a_time_and_stock(served, stock):
+    texts = [f"request {i}: " + "paged attention " * (i % 5) + "héllo, 世界"[: i % 9] for i in range(16)]
     client = openai.AsyncOpenAI(base_url=f"{served.base}/v1", api_key="none", max_retries=0, timeout=120)
 
     async def all_at_once():
-        calls = [client.completions.create(model=MODEL, prompt=t, max_tokens=12, temperature=0) for t in texts]
+        calls = [client.completions.create(model=MODEL, prompt=t, max_tokens=10, temperature=0) for t in texts]
         return await asyncio.gather(*calls)
 
-    outs = asyncio.run(all_at_once())
-    for text, out in zip(texts, outs):
-        expected = stock_greedy(stock, served.tokenizer(text)["input_ids"], 12)
-        assert out.choices[0].text == served.tokenizer.decode(expected, skip_special_tokens=True)
+    together = [out.choices[0].text for out in asyncio.run(all_at_once())]
+    alone = [served.client.completions.create(model=MODEL, prompt=t, max_tokens=10, temperature=0).choices[0].text
+             for t in texts]
+    expected = [served.tokenizer.decode(stock_greedy(stock, served.tokenizer(t)["input_ids"], 10),
+                                        skip_special_tokens=True) for t in texts]
+    assert together == alone == expected
     # a list of prompts in one call: one choice per prompt, in order
-    many = served.client.completions.create(model=MODEL, prompt=texts[:2], max_tokens=12, temperature=0)
-    assert [c.text for c in many.choices] == [o.choices[0].text for o in outs[:2]]
-    assert [c.index for c in many.choices] == [0, 1]
+    many = served.client.completions.create(model=MODEL, prompt=texts[:3], max_tokens=10, temperature=0)
+    assert [c.text for c in many.choices] == expected[:3] and [c.index for c in many.choices] == [0, 1, 2]
+
+
+def test_seeded_samples_are_indexed_and_reproducible(served):
+    kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=1.0, seed=123, n=3,
+                  extra_body={"ignore_eos": True, "top_k": 50})
+    first, again = (served.client.completions.create(**kwargs) for _ in range(2))
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert len({c.text for c in first.choices}) > 1  # three different samples
 
 
 def test_stream_equals_non_stream_with_one_finish_reason_per_choice(served):
@@ -234,19 +245,28 @@ def test_full_queue_answers_429(served):
     assert served.client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
 
 
-def test_client_disconnect_aborts_and_frees_pages(served):
-    before = served.engine.stats().tokens_generated
+def test_a_flood_of_disconnecting_clients_leaves_nothing_behind(served):
     host, port = served.base.removeprefix("http://").split(":")
-    connection = http.client.HTTPConnection(host, int(port), timeout=60)
-    body = {"model": MODEL, "prompt": prompt_ids(50, seed=6), "max_tokens": 1500, "stream": True, "ignore_eos": True,
-            "temperature": 0}
-    connection.request("POST", "/v1/completions", body=json.dumps(body), headers={"content-type": "application/json"})
-    response = connection.getresponse()
-    assert response.status == 200 and response.readline().startswith(b"data:")
-    connection.close()  # the client goes away mid-stream
-    wait_until(lambda: not served.engine.scheduler.has_work)
+    before = served.engine.stats().tokens_generated
+    connections = []
+    for i in range(12):
+        body = {"model": MODEL, "prompt": prompt_ids(40 + 10 * i, seed=i), "max_tokens": 1500, "temperature": 0,
+                "stream": i % 2 == 0, "an_unknown_field": 1, "ignore_eos": True}
+        connection = http.client.HTTPConnection(host, int(port), timeout=60)
+        connection.request("POST", "/v1/completions", body=json.dumps(body),
+                           headers={"content-type": "application/json"})
+        connections.append(connection)
+    for i, connection in enumerate(connections):
+        if i % 2 == 0:  # streaming clients read their first event, then go away
+            response = connection.getresponse()
+            assert response.status == 200 and response.readline().startswith(b"data:")
+        connection.close()  # non-streaming clients go away without waiting for an answer
+    wait_until(lambda: not served.engine.scheduler.has_work and not served.runner._owners)
     assert served.engine.cache.stats().pages_used == 0
-    assert served.engine.stats().tokens_generated - before < 1500  # aborted: it did not run to its end
+    assert served.engine.stats().tokens_generated - before < 12 * 1500  # aborted: none ran to its end
+    metrics = fetch(served.base, "GET", "/metrics")[1]
+    for gauge in ("flexpage:num_requests_running", "flexpage:num_requests_waiting"):
+        assert float(next(line for line in metrics.splitlines() if line.startswith(gauge)).split()[-1]) == 0
     assert served.client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
 
 
@@ -263,10 +283,23 @@ def test_failed_step_fails_its_requests_and_the_server_goes_on(served, monkeypat
     with pytest.raises(openai.InternalServerError) as error:
         served.client.completions.create(model=MODEL, prompt=prompt_ids(10), max_tokens=8, temperature=0)
     assert "device lost" in error.value.body["message"]
+    calls.clear()  # streamed: the failure arrives as an error event, then [DONE]
+    status, body = fetch(served.base, "POST", "/v1/completions", json.dumps(
+        {"model": MODEL, "prompt": prompt_ids(10), "max_tokens": 8, "temperature": 0, "stream": True}).encode())
+    events = [line.removeprefix("data: ") for line in body.splitlines() if line.startswith("data: ")]
+    assert status == 200 and events[-1] == "[DONE]" and "device lost" in json.loads(events[-2])["error"]["message"]
     monkeypatch.undo()
     assert served.engine.cache.stats().pages_used == 0
     assert fetch(served.base, "GET", "/health")[0] == 200
     assert served.client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
+
+
+def test_failed_engine_reports_unhealthy(served, monkeypatch):
+    monkeypatch.setattr(served.runner, "failure", "RuntimeError: simulated")
+    assert fetch(served.base, "GET", "/health")[0] == 503
+    with pytest.raises(openai.InternalServerError) as error:
+        served.client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    assert error.value.status_code == 503 and "simulated" in error.value.body["message"]
 
 
 def test_models_health_and_metrics(served):
@@ -282,6 +315,17 @@ def test_models_health_and_metrics(served):
         assert name in text, name
     generated = [line for line in text.splitlines() if line.startswith("flexpage:generation_tokens_total")]
     assert float(generated[0].split()[-1]) > 0
+
+
+def test_readme_client_examples_run_as_written(served):
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    here = served.base.removeprefix("http://")
+    (curl,) = [block for block in re.findall(r"```bash\n(.*?)```", readme, re.S) if block.startswith("curl")]
+    done = subprocess.run(curl.replace("127.0.0.1:8000", here), shell=True, capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert json.loads(done.stdout)["choices"][0]["finish_reason"] in ("stop", "length")
+    (client,) = re.findall(r"```python openai-client\n(.*?)```", readme, re.S)
+    exec(compile(client.replace("127.0.0.1:8000", here), "README.md openai client", "exec"), {})
 
 
 def test_flexpage_serve_command(tmp_path):

@@ -151,6 +151,7 @@ class EngineRunner:
         self.engine.abort(indices)
         for index in indices:
             self._forget(index)
+        self._report()
 
     def _forget(self, index: int) -> None:
         self._owners.pop(index, None)
@@ -186,9 +187,12 @@ class EngineRunner:
             if reason is not None:
                 self.metrics.request_finished(reason, now - request.arrival)
                 self._forget(index)
-        stats = engine.cache.stats()
-        self.metrics.step(len(engine.scheduler.running), len(engine.scheduler.waiting),
-                          stats.pages_used / stats.pages_total, engine.scheduler.preemptions - preemptions)
+        self._report(engine.scheduler.preemptions - preemptions)
+
+    def _report(self, preemptions: int = 0) -> None:
+        stats, scheduler = self.engine.cache.stats(), self.engine.scheduler
+        self.metrics.step(len(scheduler.running), len(scheduler.waiting), stats.pages_used / stats.pages_total,
+                          preemptions)
 
     def _send(self, index: int, **fields) -> None:
         request, loop = self._owners[index]
