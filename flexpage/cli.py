@@ -7,6 +7,7 @@
     flexpage bench prefix        shared prefixes, with and without prefix caching
     flexpage bench attention     one layer's paged attention vs contiguous kernels
     flexpage bench startup       fresh process to first token, cold and warm compile cache
+    flexpage bench serve         HTTP load: flexpage serve vs transformers serve
 
 ``flexpage <command> --help`` lists a command's options. ``--model`` takes a zoo name or a local
 ``save_pretrained`` directory; ``--quick`` runs a few seconds of work on the tiny model and writes
@@ -19,7 +20,8 @@ import importlib
 import sys
 
 COMMANDS = {"generate": "flexpage.bench.generate", "serve": "flexpage.serve.cli"}
-BENCHMARKS = {name: f"flexpage.bench.{name}" for name in ("latency", "throughput", "prefix", "attention", "startup")}
+BENCHMARKS = {name: f"flexpage.bench.{name}" for name in ("latency", "throughput", "prefix", "attention", "startup",
+                                                                  "serve")}
 HELP = ("-h", "--help")
 
 

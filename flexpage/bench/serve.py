@@ -1,0 +1,252 @@
+"""Serving under load: ``flexpage serve`` vs ``transformers serve`` (continuous batching), same model.
+
+The model (and its zoo tokenizer) is saved to a temporary directory; each server is started on
+127.0.0.1 on a free port, warmed with one request, then loaded with streamed completions of
+random text prompts: Poisson arrivals at each ``--rates`` (requests/s), then closed loops of
+``--concurrency`` clients. Every run is bounded in requests and seconds. Reported per point:
+request throughput, output tokens/s, TTFT / TPOT / ITL p50 and p99, failures.
+
+    flexpage bench serve              # llama-small, rates 0.25..4 req/s, concurrency 1/4/16
+    flexpage bench serve --quick      # llama-tiny, a few requests per point, for CI
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import openai
+from tqdm import tqdm
+
+from flexpage import zoo
+from flexpage.bench.measure import add_out_argument, caption, machine_info, out_dir, write_records
+
+SERVERS = ("flexpage", "transformers")
+
+
+@dataclass
+class Result:
+    ok: bool
+    ttft: float = float("nan")
+    e2e: float = float("nan")
+    tokens: int = 0
+    gaps: list[float] = field(default_factory=list)  # seconds between streamed chunks
+    error: str = ""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def server_command(kind: str, model_dir: str, port: int, args: argparse.Namespace) -> list[str]:
+    if kind == "flexpage":
+        return [sys.executable, "-m", "flexpage.cli", "serve", model_dir, "--port", str(port), "--served-model-name",
+                "model", "--max-batch-size", str(args.max_batch_size), "--max-cached-tokens",
+                str(args.max_cached_tokens), "--max-waiting", "100000"]
+    transformers_cli = os.path.join(os.path.dirname(sys.executable), "transformers")  # installed with transformers
+    return [transformers_cli, "serve", model_dir, "--port", str(port),
+            "--host", "127.0.0.1", "--continuous-batching", "--device", "cpu", "--dtype", "float32"]
+
+
+async def wait_ready(client: openai.AsyncOpenAI, process: subprocess.Popen, seconds: float) -> str:
+    """The served model's id, once the server answers (bounded in time)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}")
+        try:
+            return (await client.models.list()).data[0].id
+        except (openai.APIError, IndexError):
+            await asyncio.sleep(0.5)
+    raise TimeoutError(f"server not ready after {seconds} s")
+
+
+async def one_request(client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int, timeout: float) -> Result:
+    start, last, result = time.perf_counter(), None, Result(ok=False)
+    try:
+        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 timeout=timeout)
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.usage is not None:
+                result.tokens = chunk.usage.completion_tokens
+            if chunk.choices and chunk.choices[0].text:
+                if last is None:
+                    result.ttft = now - start
+                else:
+                    result.gaps.append(now - last)
+                last = now
+                result.tokens = max(result.tokens, len(result.gaps) + 1)
+        result.e2e, result.ok = time.perf_counter() - start, last is not None
+    except (openai.APIError, asyncio.TimeoutError) as error:
+        result.error = f"{type(error).__name__}: {error}"[:200]
+    return result
+
+
+async def poisson(client, model, prompts, rate: float, max_tokens: int, seconds: float, seed: int) -> list[Result]:
+    """Requests arriving at ``rate``/s (exponential gaps), all awaited; bounded by ``seconds``."""
+    rng, tasks = random.Random(seed), []
+    for prompt in prompts:
+        tasks.append(asyncio.create_task(one_request(client, model, prompt, max_tokens, seconds)))
+        await asyncio.sleep(rng.expovariate(rate))
+    return list(await asyncio.gather(*tasks))
+
+
+async def closed_loop(client, model, prompts, concurrency: int, max_tokens: int, seconds: float) -> list[Result]:
+    """``concurrency`` clients, each sending its next request when the last one ends."""
+    queue, results = list(prompts), []
+
+    async def worker() -> None:
+        while queue:
+            results.append(await one_request(client, model, queue.pop(), max_tokens, seconds))
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return results
+
+
+def summarise(server: str, mode: str, value: float, results: list[Result], seconds: float) -> dict:
+    ok = [r for r in results if r.ok]
+
+    def pct(values: list[float], q: float) -> float:
+        return round(statistics.quantiles(values, n=100, method="inclusive")[q - 1], 4) if len(values) > 1 else (
+            round(values[0], 4) if values else float("nan"))
+
+    tpot = [(r.e2e - r.ttft) / (r.tokens - 1) for r in ok if r.tokens > 1]
+    gaps = [g for r in ok for g in r.gaps]
+    return {"server": server, "mode": mode, "value": value, "requests": len(results), "failures": len(results) - len(ok),
+            "seconds": round(seconds, 3), "requests_per_s": round(len(ok) / seconds, 4),
+            "output_tokens_per_s": round(sum(r.tokens for r in ok) / seconds, 2),
+            "ttft_p50_s": pct([r.ttft for r in ok], 50), "ttft_p99_s": pct([r.ttft for r in ok], 99),
+            "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99), "itl_p50_s": pct(gaps, 50),
+            "itl_p99_s": pct(gaps, 99), "first_error": next((r.error for r in results if r.error), "")}
+
+
+def random_prompts(tokenizer, n: int, length: int, seed: int) -> list[str]:
+    """``n`` texts of about ``length`` tokens: random ids from the printable part of the vocabulary, decoded."""
+    rng = random.Random(seed)
+    ids = [i for i in range(3, len(tokenizer)) if tokenizer.decode([i]).isprintable()]
+    return [tokenizer.decode([rng.choice(ids) for _ in range(length)]) for _ in range(n)]
+
+
+async def load_server(kind: str, model_dir: str, args: argparse.Namespace, prompts: list[str], bar) -> list[dict]:
+    port = free_port()
+    log = open(os.path.join(model_dir, f"{kind}.log"), "w")
+    process = subprocess.Popen(server_command(kind, model_dir, port, args), stdout=log, stderr=subprocess.STDOUT)
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    rows = []
+    try:
+        model = await wait_ready(client, process, args.start_timeout)
+        await one_request(client, model, prompts[0], 4, args.point_timeout)  # loads / compiles what it must
+        points = [("rate", r) for r in args.rates] + [("concurrency", c) for c in args.concurrency]
+        for mode, value in points:
+            start = time.perf_counter()
+            if mode == "rate":
+                work = poisson(client, model, prompts, value, args.output_len, args.point_timeout, args.seed)
+            else:
+                work = closed_loop(client, model, prompts, int(value), args.output_len, args.point_timeout)
+            results = await work
+            rows.append(summarise(kind, mode, value, results, time.perf_counter() - start))
+            bar.set_postfix_str(f"{kind} {mode}={value}: {rows[-1]['output_tokens_per_s']} tok/s")
+            bar.update()
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    zoo.add_model_argument(parser)
+    parser.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
+    parser.add_argument("--rates", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0, 4.0], help="requests/s")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="closed-loop clients")
+    parser.add_argument("--requests", type=int, default=32, help="requests per point")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--max-batch-size", type=int, default=32, help="flexpage's Engine")
+    parser.add_argument("--max-cached-tokens", type=int, default=32768, help="flexpage's Engine")
+    parser.add_argument("--point-timeout", type=float, default=600, help="seconds a request may take")
+    parser.add_argument("--start-timeout", type=float, default=900, help="seconds a server may take to start")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="llama-tiny, 6 requests per point, 2 rates, 1 concurrency")
+    add_out_argument(parser)
+    parser.add_argument("--name", default="serve", help="stem of the result files")
+    args = parser.parse_args(argv)
+    args.model = zoo.chosen_model(args)
+    if args.quick:
+        args.rates, args.concurrency, args.requests, args.input_len, args.output_len = [2.0, 8.0], [4], 6, 32, 8
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="flexpage-serve-") as model_dir:
+        zoo.load(args.model).save_pretrained(model_dir)
+        tokenizer = zoo.load_tokenizer(args.model)
+        tokenizer.save_pretrained(model_dir)
+        prompts = random_prompts(tokenizer, args.requests, args.input_len, args.seed)
+        with tqdm(total=len(args.servers) * (len(args.rates) + len(args.concurrency)), desc="load points") as bar:
+            for kind in args.servers:
+                try:
+                    rows += asyncio.run(load_server(kind, model_dir, args, prompts, bar))
+                except (RuntimeError, TimeoutError) as error:
+                    log = open(os.path.join(model_dir, f"{kind}.log")).read()[-1500:]
+                    print(f"{kind} server failed: {error}\n{log}", file=sys.stderr)
+                    rows.append({"server": kind, "mode": "start", "value": 0, "failures": 1, "first_error": str(error)})
+    meta = {"machine": machine_info(), "model": args.model, "command": " ".join(sys.argv),
+            "input_len": args.input_len, "output_len": args.output_len, "requests_per_point": args.requests,
+            "flexpage": {"max_batch_size": args.max_batch_size, "max_cached_tokens": args.max_cached_tokens},
+            "transformers": "transformers serve --continuous-batching (defaults)"}
+    stem = os.path.join(out_dir(args), args.name)
+    write_records(stem, rows, meta)
+    print_summary(rows)
+    plot(rows, meta, stem)
+    print(f"wrote {stem}.csv, {stem}.json, {stem}.png")
+
+
+def print_summary(rows: list[dict]) -> None:
+    for r in rows:
+        if r["mode"] == "start":
+            print(f"{r['server']:>12} did not start: {r['first_error']}")
+            continue
+        print(f"{r['server']:>12} {r['mode']:>11}={r['value']:<5}: {r['requests_per_s']:6.3f} req/s "
+              f"{r['output_tokens_per_s']:7.1f} tok/s  TTFT p50/p99 {r['ttft_p50_s']}/{r['ttft_p99_s']} s  "
+              f"TPOT p50 {r['tpot_p50_s']} s  failures {r['failures']}")
+
+
+def plot(rows: list[dict], meta: dict, stem: str) -> None:
+    """Output tokens/s and p99 TTFT against the offered request rate, one line per server, as ``<stem>.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for server in dict.fromkeys(r["server"] for r in rows):
+        points = sorted((r for r in rows if r["server"] == server and r["mode"] == "rate"), key=lambda r: r["value"])
+        for ax, key in zip(axes, ("output_tokens_per_s", "ttft_p99_s")):
+            ax.plot([r["value"] for r in points], [r[key] for r in points], "o-", label=f"{server} serve")
+    for ax, label in zip(axes, ("output tokens / s", "TTFT p99 (s)")):
+        ax.set(xlabel="offered load (requests / s, Poisson)", ylabel=label)
+        ax.set_xscale("log", base=2)
+        ax.minorticks_off()
+        rates = sorted({r["value"] for r in rows if r["mode"] == "rate"})
+        ax.set_xticks(rates, [f"{x:g}" for x in rates])
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"serving, {meta['input_len']} in / {meta['output_len']} out tokens — {caption(meta)}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(f"{stem}.png", dpi=110)
+    plt.close(fig)

@@ -1,0 +1,24 @@
+"""``flexpage bench serve --quick``: both servers start, take every load point, and nothing fails (not timed)."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+
+
+def test_quick_serve_benchmark_against_transformers_serve(tmp_path):
+    subprocess.run([str(BIN / "flexpage"), "bench", "serve", "--quick", "--out", str(tmp_path)], check=True,
+                   timeout=1200)
+    data = json.loads((tmp_path / "serve.json").read_text())
+    rows = data["records"]
+    points = {(r["server"], r["mode"], r["value"]) for r in rows}
+    assert points == {(s, m, v) for s in ("flexpage", "transformers") for m, v in
+                      (("rate", 2.0), ("rate", 8.0), ("concurrency", 4))}, rows
+    for r in rows:
+        assert r["failures"] == 0 and r["requests"] == 6, r
+        for key in ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "itl_p99_s"):
+            assert math.isfinite(r[key]) and r[key] > 0, (key, r)
+    assert (tmp_path / "serve.png").stat().st_size > 0
