@@ -269,10 +269,11 @@ class Engine:
         try:
             logits = self._forward(ids, plan, keep)
         except BaseException as error:  # the step's tokens were never computed: give their slots back
-            for seq in batch.decode + [seq for seq, _ in batch.chunks]:
+            stepped = batch.decode + [seq for seq, _ in batch.chunks]
+            for seq in stepped:
                 self.cache.page_table.truncate(seq.row, seq.num_computed)
             if isinstance(error, Exception):
-                raise StepFailedError([seq.index for seq in batch.decode + [s for s, _ in batch.chunks]], error) from error
+                raise StepFailedError([seq.index for seq in stepped], error) from error
             raise
         forward_end = time.perf_counter()
         for seq in batch.decode:

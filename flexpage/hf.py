@@ -139,15 +139,28 @@ def check_supported(model: PreTrainedModel) -> str:
 
 
 def _layer_devices(model: PreTrainedModel) -> list[torch.device]:
-    """Each decoder layer's device (models dispatched with a device_map span several)."""
+    """The device each decoder layer's attention runs on: models dispatched with a device_map
+    span several, and a layer offloaded by accelerate (its weights on the CPU, or on disk with
+    parameters on ``meta``) runs on its hook's execution device."""
     devices: dict[int, torch.device] = {}
     for module in model.modules():
         layer_idx = getattr(module, "layer_idx", None)
         if isinstance(layer_idx, int) and type(module).__name__.endswith("Attention") and layer_idx not in devices:
             param = next(module.parameters(), None)
-            devices[layer_idx] = param.device if param is not None else model.device
+            devices[layer_idx] = _execution_device(module) or (param.device if param is not None else model.device)
     count = model.config.num_hidden_layers
     return [devices.get(i, model.device) for i in range(count)]
+
+
+def _execution_device(module: torch.nn.Module) -> torch.device | None:
+    """Where accelerate's hooks run ``module`` (None when it is not dispatched by accelerate)."""
+    for sub in module.modules():
+        hook = getattr(sub, "_hf_hook", None)
+        for h in getattr(hook, "hooks", [hook]):  # a SequentialHook holds several
+            device = getattr(h, "execution_device", None)
+            if device is not None:
+                return torch.device(device)
+    return None
 
 
 def _paged_generate(self: PreTrainedModel, *args: Any, **kwargs: Any) -> Any:

@@ -194,6 +194,11 @@ class _StepMask(BlockMask):
             raise AttributeError(name)
         return getattr(self._causal(), name)
 
+    def to(self, device: torch.device | str) -> "_StepMask":
+        """Itself: accelerate's hooks move every forward input to a layer's device with ``.to``,
+        which on a plain BlockMask would build the metadata and drop the step (plan, pages)."""
+        return self
+
     def _causal(self) -> BlockMask:
         raise NotImplementedError
 

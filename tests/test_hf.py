@@ -211,6 +211,24 @@ def test_device_map_keeps_each_layers_pools_on_its_device():
     assert torch.equal(greedy(model, ids, mask, max_new_tokens=8), greedy(stock, ids, mask, max_new_tokens=8))
 
 
+def test_layers_offloaded_to_cpu_and_disk_get_pools_where_they_run(tmp_path):
+    """accelerate's offloading: a layer on disk has ``meta`` parameters; its pools belong on its
+    hook's execution device (here the CPU), and generate() gives stock's tokens."""
+    from transformers import AutoModelForCausalLM
+
+    stock = zoo.build("llama-tiny")
+    stock.save_pretrained(tmp_path / "model")
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+                  "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model", device_map=device_map,
+                                                 offload_folder=str(tmp_path / "offload")).eval()
+    assert model.model.layers[1].self_attn.q_proj.weight.device.type == "meta"  # really offloaded
+    model = flexpage.wrap(model)
+    assert [layer.keys.device.type for layer in model._flexpage.cache.layers] == ["cpu", "cpu"]
+    ids, mask = prompts((7, 20))
+    assert torch.equal(greedy(model, ids, mask, max_new_tokens=8), greedy(stock, ids, mask, max_new_tokens=8))
+
+
 def test_unsupported_models_raise_naming_model_and_reason():
     t5 = T5ForConditionalGeneration(T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, vocab_size=64))
     with pytest.raises(UnsupportedModelError, match="T5ForConditionalGeneration.*encoder-decoder"):

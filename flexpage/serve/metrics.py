@@ -17,24 +17,27 @@ class Metrics:
         self.registry = CollectorRegistry()
         labels, values = ["model_name"], [model_name]
 
-        def make(kind, name: str, doc: str, extra: tuple[str, ...] = (), **kwargs):
-            return kind(f"flexpage:{name}", doc, [*labels, *extra], registry=self.registry, **kwargs)
+        def make(kind, name: str, doc: str, extra: tuple[str, ...] = (), labelled: bool = True, **kwargs):
+            """A metric labelled with the model's name (or, unless ``labelled``, still open to ``extra``)."""
+            metric = kind(f"flexpage:{name}", doc, [*labels, *extra], registry=self.registry, **kwargs)
+            return metric.labels(*values) if labelled else metric
 
-        self.running = make(Gauge, "num_requests_running", "Requests in the engine's running batch").labels(*values)
-        self.waiting = make(Gauge, "num_requests_waiting", "Requests waiting to be admitted").labels(*values)
-        self.kv_usage = make(Gauge, "kv_cache_usage_perc", "Fraction of KV-cache pages in use (1 = full)").labels(*values)
-        self.prefix_queries = make(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache").labels(*values)
-        self.prefix_hit_tokens = make(Counter, "prefix_cache_hits", "Prompt tokens served from the prefix cache").labels(*values)
-        self.preemptions = make(Counter, "num_preemptions", "Requests preempted (pages freed, recomputed later)").labels(*values)
-        self.prompt_tokens = make(Counter, "prompt_tokens", "Prompt tokens received").labels(*values)
-        self.generation_tokens = make(Counter, "generation_tokens", "Tokens generated").labels(*values)
+        self.running = make(Gauge, "num_requests_running", "Requests in the engine's running batch")
+        self.waiting = make(Gauge, "num_requests_waiting", "Requests waiting to be admitted")
+        self.kv_usage = make(Gauge, "kv_cache_usage_perc", "Fraction of KV-cache pages in use (1 = full)")
+        self.prefix_queries = make(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hit_tokens = make(Counter, "prefix_cache_hits", "Prompt tokens served from the prefix cache")
+        self.preemptions = make(Counter, "num_preemptions", "Requests preempted (pages freed, recomputed later)")
+        self.prompt_tokens = make(Counter, "prompt_tokens", "Prompt tokens received")
+        self.generation_tokens = make(Counter, "generation_tokens", "Tokens generated")
         self.ttft = make(Histogram, "time_to_first_token_seconds", "Seconds from arrival to the first token",
-                         buckets=LATENCY_BUCKETS).labels(*values)
+                         buckets=LATENCY_BUCKETS)
         self.itl = make(Histogram, "inter_token_latency_seconds", "Seconds between a request's tokens",
-                        buckets=LATENCY_BUCKETS).labels(*values)
+                        buckets=LATENCY_BUCKETS)
         self.e2e = make(Histogram, "e2e_request_latency_seconds", "Seconds from arrival to the last token",
-                        buckets=LATENCY_BUCKETS).labels(*values)
-        self._success = make(Counter, "request_success", "Requests finished, by reason", ("finished_reason",))
+                        buckets=LATENCY_BUCKETS)
+        self._success = make(Counter, "request_success", "Requests finished, by reason", ("finished_reason",),
+                             labelled=False)
         self._model = model_name
 
     def request_received(self, prompt_tokens: int) -> None:

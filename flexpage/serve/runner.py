@@ -75,7 +75,8 @@ class EngineRunner:
     def healthy(self) -> bool:
         return self.failure is None and self._thread.is_alive()
 
-    async def submit(self, prompt: list[int], params: SamplingParams, events: asyncio.Queue, offset: int = 0) -> Request:
+    async def submit(self, prompt: list[int], params: SamplingParams, events: asyncio.Queue,
+                     offset: int = 0) -> Request:
         """Queue a request on the engine thread; raises ``InvalidRequestError``, ``QueueFullError``
         or ``EngineFailedError`` (and queues nothing) when it cannot be served."""
         if not self.healthy:
@@ -84,7 +85,11 @@ class EngineRunner:
         request = Request(len(prompt), params.num_return_sequences, events, offset)
         accepted = loop.create_future()
         self._inbox.put(("submit", request, prompt, params, loop, accepted))
-        await accepted
+        try:
+            await accepted
+        except asyncio.CancelledError:  # the client left while queued: cancel it (after the submit, in order)
+            self.abort(request)
+            raise
         return request
 
     def abort(self, request: Request) -> None:
@@ -92,6 +97,7 @@ class EngineRunner:
         self._inbox.put(("abort", request))
 
     def abort_sample(self, request: Request, sample: int) -> None:
+        """Cancel one output of a request (its stop string was seen); the others go on."""
         self._inbox.put(("abort_sample", request, sample))
 
     # ------------------------------------------------------------------ engine thread
