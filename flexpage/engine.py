@@ -30,6 +30,7 @@ from .errors import InvalidRequestError, OutOfPagesError, StepFailedError
 from .hf import wrap
 from .masks import PackedBlockMask
 from .pages import cdiv
+from .parallel import RankSync
 from .scheduler import Scheduler, Sequence
 
 CHUNK_BLOCK = 16  # query block of prefill chunks (Triton's smallest tile); decode blocks are 1 token
@@ -125,6 +126,11 @@ class Engine:
     (its ``generate()`` is paged too; don't call it while the engine is serving). With
     ``warmup`` (the default) every step shape is compiled when the engine is built
     (``warmup()``), so serving never waits on a compile.
+
+    Under tensor parallelism (a model loaded with transformers' ``DistributedConfig``) build the
+    engine on every rank; requests enter on rank 0, which broadcasts them (over ``tp_group``, a
+    gloo group by default) so every rank takes the same steps; the other ranks call ``follow()``
+    until rank 0 calls ``close()``. ``check_ranks`` compares every step's plan across ranks.
     """
 
     def __init__(
@@ -138,6 +144,8 @@ class Engine:
         tokenizer: Any = None,
         prefix_caching: bool = True,
         warmup: bool = True,
+        tp_group: Any = None,
+        check_ranks: bool = False,
     ) -> None:
         if max_tokens_per_step < max_batch_size + CHUNK_BLOCK:
             raise ValueError(
@@ -154,6 +162,8 @@ class Engine:
         self.warmup_seconds = 0.0
         self._sampling: dict[int, tuple[SamplingParams, torch.Generator | None]] = {}
         self._next_index = 0
+        self.ranks = RankSync.for_model(self.model, tp_group, check_ranks)
+        self._closed = False
         self.reset_stats()
         if warmup:
             self.warmup()
@@ -176,6 +186,15 @@ class Engine:
             raise InvalidRequestError(
                 f"num_return_sequences={params.num_return_sequences} exceeds max_batch_size={self.scheduler.max_batch_size}"
             )
+        if self.ranks is not None:
+            if not self.ranks.leader:
+                raise InvalidRequestError("under tensor parallelism requests enter on rank 0; other ranks follow()")
+            if params.do_sample and params.seed is None:  # every rank must draw the same samples
+                params = dataclasses.replace(params, seed=int(torch.randint(2**62, (1,))))
+            self.ranks.send(("add", tokens, params))
+        return self._queue(tokens, params)
+
+    def _queue(self, tokens: list[int], params: SamplingParams) -> int:
         index = self._next_index
         self._next_index += params.num_return_sequences  # sample j of the request is output index + j
         for j in range(params.num_return_sequences):
@@ -228,6 +247,8 @@ class Engine:
     def abort(self, indices: Collection[int]) -> list[int]:
         """Cancel requests by output index (all ``n`` outputs of a request to cancel it whole):
         their pages are freed at once. Returns the indices that were still queued or running."""
+        if self.ranks is not None and self.ranks.leader:
+            self.ranks.send(("abort", list(indices)))
         dropped = self.scheduler.abort(lambda seq: seq.index in indices)
         for index in indices:
             self._sampling.pop(index, None)
@@ -242,12 +263,46 @@ class Engine:
         finally:
             self._seconds += time.perf_counter() - start
 
+    # ------------------------------------------------------------------ tensor parallelism
+    def follow(self) -> dict[int, list[int]]:
+        """On a rank other than 0: take every step rank 0 takes until it calls ``close()``;
+        returns each request's tokens (the same as rank 0's)."""
+        if self.ranks is None or self.ranks.leader:
+            raise RuntimeError("follow() is for ranks other than 0 of a tensor-parallel engine")
+        outputs: dict[int, list[int]] = {}
+        while not self._closed:
+            for index, token in self.step():
+                outputs.setdefault(index, []).append(token)
+        return outputs
+
+    def close(self) -> None:
+        """On rank 0 of a tensor-parallel engine: let the other ranks' ``follow()`` return."""
+        if self.ranks is not None and self.ranks.leader and not self._closed:
+            self.ranks.send(("close",))
+            self._sync()
+
+    def _sync(self) -> None:
+        """Exchange rank 0's commands; the other ranks apply them (rank 0 already has)."""
+        for command, *args in self.ranks.exchange():
+            if command == "close":
+                self._closed = True
+            elif not self.ranks.leader and command == "add":
+                self._queue(*args)
+            elif not self.ranks.leader and command == "abort":
+                self.abort(*args)
+
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
     def step(self) -> list[tuple[int, int]]:
         """Run one ragged step; return the ``(request index, token)`` pairs it produced."""
         step_start = time.perf_counter()
+        if self.ranks is not None:
+            self._sync()
+            if self._closed:
+                return []
         batch = self.scheduler.schedule()
+        if self.ranks is not None:
+            self.ranks.compare((tuple(s.index for s in batch.decode), tuple((s.index, n) for s, n in batch.chunks)))
         if not batch:
             return []
         decode_len = self._decode_len(len(batch.decode))

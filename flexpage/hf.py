@@ -87,6 +87,7 @@ def wrap(
         max_pages_per_seq=min(num_pages, cdiv(max_seq_len, page_size)) if max_seq_len else None,
         dtype=model.dtype,
         device=_layer_devices(model),
+        num_kv_heads=kv_heads_per_rank(model),
     )
     _register(stock)
     model.set_attn_implementation(FALLBACKS[stock])
@@ -136,6 +137,20 @@ def check_supported(model: PreTrainedModel) -> str:
             f"{name}: wrap a model loaded with attn_implementation 'sdpa' or 'eager' (it has {stock!r})"
         )
     return stock
+
+
+def kv_heads_per_rank(model: PreTrainedModel) -> int:
+    """The KV heads this process's attention sees: all of them, or ``1/tp`` of them on each rank
+    of a model loaded with transformers' tensor parallelism (``DistributedConfig(tp_size=...)``)."""
+    config = model.config
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    tp = getattr(model, "tp_size", None) or 1
+    if heads % tp or config.num_attention_heads % tp:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: {config.num_attention_heads} query / {heads} KV heads do not split evenly "
+            f"over tensor-parallel size {tp}"
+        )
+    return heads // tp
 
 
 def _layer_devices(model: PreTrainedModel) -> list[torch.device]:
