@@ -7,7 +7,6 @@ import asyncio
 import http.client
 import json
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -23,15 +22,10 @@ import uvicorn
 import flexpage
 from flexpage import zoo
 from flexpage.serve import build_app
+from http_helpers import fetch, free_socket, wait_until
 
 MODEL = "llama-tiny"
 BIN = Path(sys.executable).parent
-
-
-def free_socket() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    return sock
 
 
 @pytest.fixture(scope="module")
@@ -70,25 +64,6 @@ def prompt_ids(n: int, seed: int = 0) -> list[int]:
 def stock_greedy(model, ids: list[int], max_tokens: int) -> list[int]:
     out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
     return out[0, len(ids):].tolist()
-
-
-def fetch(base: str, method: str, path: str, body: bytes | None = None) -> tuple[int, str]:
-    """One plain HTTP request (stdlib): status and body text."""
-    host, port = base.removeprefix("http://").split(":")
-    connection = http.client.HTTPConnection(host, int(port), timeout=60)
-    try:
-        connection.request(method, path, body=body, headers={"content-type": "application/json"})
-        response = connection.getresponse()
-        return response.status, response.read().decode()
-    finally:
-        connection.close()
-
-
-def wait_until(condition, seconds: float = 30) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def test_greedy_completion_matches_stock(served, stock):

@@ -4,11 +4,16 @@ OpenAI's API (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/
 
     flexpage serve llama-tiny --port 8000
     flexpage serve path/to/saved/model --max-cached-tokens 65536 --max-batch-size 32
+    torchrun --nproc-per-node 2 -m flexpage.cli serve path/to/saved/model --tp-size 2
+
+Under tensor parallelism every rank builds the engine; rank 0 serves HTTP and the others follow
+its steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -30,15 +35,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens-per-step", type=int, default=512, help="tokens fed per step")
     parser.add_argument("--max-waiting", type=int, default=256, help="queued requests before answering 429")
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--tp-size", type=int, default=1,
+                        help="tensor-parallel ranks (run under torchrun; MODEL must be a local directory)")
     args = parser.parse_args(argv)
+    load_options = {"dtype": getattr(torch, args.dtype)}
+    if args.tp_size > 1:
+        from transformers.distributed import DistributedConfig
+
+        if not os.path.isdir(args.model):
+            parser.error("--tp-size needs MODEL to be a local save_pretrained directory")
+        load_options["distributed_config"] = DistributedConfig(tp_size=args.tp_size)
     try:
         import uvicorn
 
         from .app import build_app
     except ImportError as error:
         sys.exit(f"flexpage serve needs the serve extra: pip install 'flexpage[serve]' ({error})")
-    engine = Engine(zoo.load(args.model, dtype=getattr(torch, args.dtype)), page_size=args.page_size,
+    engine = Engine(zoo.load(args.model, **load_options), page_size=args.page_size,
                     max_cached_tokens=args.max_cached_tokens, max_batch_size=args.max_batch_size,
                     max_tokens_per_step=args.max_tokens_per_step, prefix_caching=not args.no_prefix_caching)
+    if engine.ranks is not None and not engine.ranks.leader:
+        engine.follow()  # until rank 0's server stops
+        return
     app = build_app(engine, zoo.load_tokenizer(args.model), args.served_model_name or args.model, args.max_waiting)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")

@@ -107,10 +107,11 @@ class EngineRunner:
                 self._drain(block=not self.engine.scheduler.has_work)
                 if self.engine.scheduler.has_work:
                     self._step()
+            self.engine.close()  # tensor-parallel followers stop with us
         except Exception as error:  # a bug, not a failed step: fail everyone, report unhealthy
             self.failure = f"{type(error).__name__}: {error}"
-            for index in list(self._owners):
-                self._send(index, error=self.failure)
+            for index, owner in list(self._owners.items()):
+                self._send(index, owner, error=self.failure)
             self._owners.clear()
 
     def _drain(self, block: bool) -> None:
@@ -172,10 +173,10 @@ class EngineRunner:
             produced = engine.step()
         except StepFailedError as error:  # fail the step's requests, free their pages, serve the others
             message = f"the step serving this request failed: {error.__cause__!r}"
-            for index in error.requests:
-                if index in self._owners:
-                    self._send(index, error=message)
-            self._drop(error.requests)
+            owners = {index: self._owners[index] for index in error.requests if index in self._owners}
+            self._drop(error.requests)  # pages freed before anyone hears of the failure
+            for index, owner in owners.items():
+                self._send(index, owner, error=message)
             return
         now = time.perf_counter()
         for index, token in produced:
@@ -188,8 +189,8 @@ class EngineRunner:
             self._last_token[index] = now
             cached = engine.cached_prompt_tokens.get(index, 0) if first and index == request.first else 0
             self.metrics.prefix_hits(cached)  # the prompt's cache hits, once per request (with sample 0)
-            self._send(index, token=token, logprobs=engine.step_logprobs.get(index), finish_reason=reason,
-                       cached_tokens=cached)
+            self._send(index, self._owners[index], token=token, logprobs=engine.step_logprobs.get(index),
+                       finish_reason=reason, cached_tokens=cached)
             if reason is not None:
                 self.metrics.request_finished(reason, now - request.arrival)
                 self._forget(index)
@@ -200,6 +201,6 @@ class EngineRunner:
         self.metrics.step(len(scheduler.running), len(scheduler.waiting), stats.pages_used / stats.pages_total,
                           preemptions)
 
-    def _send(self, index: int, **fields) -> None:
-        request, loop = self._owners[index]
+    def _send(self, index: int, owner: tuple[Request, asyncio.AbstractEventLoop], **fields) -> None:
+        request, loop = owner
         loop.call_soon_threadsafe(request.events.put_nowait, Output(request.offset + index - request.first, **fields))
