@@ -111,3 +111,12 @@ def test_kv_heads_that_do_not_split_are_refused():
     with pytest.raises(UnsupportedModelError, match="do not split evenly over tensor-parallel size 3"):
         flexpage.wrap(model)
     assert "generate" not in vars(model)
+
+
+def test_quick_tp_benchmark(tmp_path):
+    subprocess.run([sys.executable, "-m", "flexpage.cli", "bench", "tp", "--quick", "--out", str(tmp_path)], check=True,
+                   timeout=900)
+    one, two = json.loads((tmp_path / "tp.json").read_text())["records"]
+    assert (one["tp"], two["tp"]) == (1, 2) and one["kv_heads_per_rank"] == 2 * two["kv_heads_per_rank"]
+    assert one["kv_bytes_per_token_per_rank"] == 2 * two["kv_bytes_per_token_per_rank"]
+    assert one["decode_ms_per_token"] > 0 and two["decode_ms_per_token"] > 0

@@ -236,7 +236,7 @@ def plot(records: list[dict], trace: list[dict], meta: dict, stem: str) -> None:
     ax.set_title(f"throughput, {meta['requests']} requests\n{caption(meta)}", fontsize=9)
     ax.set_xscale("log", base=2)
     ax.minorticks_off()
-    sizes = sorted({r["batch_size"] for r in records if "batch_size" in r})
+    sizes = sorted({r["batch_size"] for r in records if isinstance(r.get("batch_size"), int)})
     ax.set_xticks(sizes, [str(x) for x in sizes])
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
