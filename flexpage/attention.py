@@ -11,9 +11,16 @@ from .masks import PackedBlockMask, ScoreMod, SequenceKV
 from .pages import StepPlan
 
 
-def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa):
+def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options):
     return flex_attention(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                          enable_gqa=enable_gqa)
+                          enable_gqa=enable_gqa, kernel_options=kernel_options)
+
+
+def kernel_options(query: Tensor) -> dict | None:
+    """On GPUs, queries of more than one token per row stay on the FlexAttention kernel (below
+    128 tokens PyTorch would route them to its decode kernel, which our chunk masks don't fit);
+    one-token rows (decode) take the decode kernel."""
+    return {"FORCE_USE_FLEX_ATTENTION": True} if query.device.type != "cpu" and query.shape[2] > 1 else None
 
 
 # One compile per static shape (batch, heads, q_len, pool): the pool never changes shape, so
@@ -71,7 +78,8 @@ def paged_attention(
         raise ValueError(
             f"block_mask is for batch {block_mask.kv_num_blocks.shape[0]} but query has batch {query.shape[0]}"
         )
-    return _compiled_flex_attention(query, key_pool, value_pool, score_mod, block_mask, scale, num_heads != num_kv_heads)
+    return _compiled_flex_attention(query, key_pool, value_pool, score_mod, block_mask, scale, num_heads != num_kv_heads,
+                                    kernel_options(query))
 
 
 def fresh_prefill_attention(
@@ -139,7 +147,8 @@ def packed_attention(
     """Attention of a ragged step's packed ``query`` ``[1, Hq, T, D]`` over the pools.
 
     Each region is one compiled FlexAttention call: the decode tokens as a batch of one-token
-    rows (query blocks of one token), the prefill chunks in blocks of ``chunk_block`` tokens.
+    rows (``[n, Hq, 1, D]``, each row listing its own pages, as a ``generate()`` decode step),
+    the prefill chunks in blocks of ``chunk_block`` tokens.
     A region holding a single sequence's tokens (a lone decode token, a lone chunk) is
     attended by SDPA over that sequence's pages instead where that is the faster kernel
     (``sdpa_over_pages``). ``window`` and ``cap`` select the layer's variant (sliding window,
@@ -153,8 +162,11 @@ def packed_attention(
     outputs = []
     if plan.decode_len == len(plan.decode_rows) == 1 and sdpa_over_pages(query.device, cap, 1):
         outputs.append(sequence_attention(query[:, :, :1], key_pool, value_pool, block_mask.decode_kv(window), scale))
-    elif plan.decode_len:
-        outputs.append(_region_attention(query, key_pool, value_pool, block_mask.region("decode", window, cap), scale))
+    elif plan.decode_len:  # a batch of one-token rows: [1, H, n, D] -> [n, H, 1, D] and back
+        _, n, mask, score_mod = block_mask.region("decode", window, cap)
+        rows = query[0, :, :n].transpose(0, 1)[:, :, None].contiguous()
+        out = paged_attention(rows, key_pool, value_pool, mask, score_mod, scale)
+        outputs.append(out[:, :, 0].transpose(0, 1)[None])
     if plan.q_len > plan.decode_len and sdpa_over_pages(query.device, cap, len(plan.chunks)):
         n = plan.chunks[0][1]
         chunk = query[:, :, plan.decode_len : plan.decode_len + n]

@@ -33,7 +33,7 @@ from .pages import cdiv
 from .parallel import RankSync
 from .scheduler import Scheduler, Sequence
 
-CHUNK_BLOCK = 16  # query block of prefill chunks (Triton's smallest tile); decode blocks are 1 token
+CHUNK_BLOCK = 16  # query block of prefill chunks (Triton's smallest tile); decode tokens are one-token rows
 MIN_CHUNK_REGION = 64  # the smallest chunk-region bucket
 MAX_LOGPROBS = 20  # top alternatives a request may ask for (as OpenAI's API)
 

@@ -102,7 +102,8 @@ def _logical_kv(page_table: PageTable, kv_idx: Tensor) -> tuple[Tensor, Tensor]:
     return logical_page, logical_page * page_size + kv_idx % page_size
 
 
-def paged_mask_mod(page_table: PageTable, plan: StepPlan, mask_mod: MaskMod | None = None) -> MaskMod:
+def paged_mask_mod(page_table: PageTable, plan: StepPlan | DecodeRows, mask_mod: MaskMod | None = None
+                   ) -> MaskMod:
     """Physical-slot mask for a step: the row's own, written tokens, then ``mask_mod``
     (default ``causal``) in logical positions. ``b`` is the step's batch index."""
     mask_mod = causal if mask_mod is None else mask_mod
@@ -116,7 +117,7 @@ def paged_mask_mod(page_table: PageTable, plan: StepPlan, mask_mod: MaskMod | No
     return paged_mask
 
 
-def paged_score_mod(page_table: PageTable, plan: StepPlan, score_mod: ScoreMod) -> ScoreMod:
+def paged_score_mod(page_table: PageTable, plan: StepPlan | DecodeRows, score_mod: ScoreMod) -> ScoreMod:
     """Physical-slot version of a logical ``score_mod`` for a step."""
     q_start = plan.q_start
 
@@ -278,7 +279,8 @@ class SequenceKV:
         return cls(length - first, None, slots.to(page_table.device), allowed, causal)
 
 
-def _build(page_table: PageTable, plan: StepPlan, mask_mod: MaskMod | None, q_block_size: int) -> BlockMask:
+def _build(page_table: PageTable, plan: StepPlan | DecodeRows, mask_mod: MaskMod | None, q_block_size: int
+           ) -> BlockMask:
     uniform = plan.q_len == 1 and page_table.device.type == "cpu" and len(plan.rows) > 1
     kv_num, kv_indices, full_num, full_indices = _block_metadata(
         page_table.table,
@@ -367,16 +369,36 @@ def _block_metadata(
     )
 
 
+@dataclass(frozen=True)
+class DecodeRows:
+    """A ragged step's decode tokens laid out as a batch of one-token rows (the layout of a
+    ``generate()`` decode step, and the only one FlexAttention's GPU decode kernel accepts):
+    row ``b`` is page-table row ``rows[b]``, its query at logical position ``q_start[b]`` sees
+    ``kv_lens[b]`` tokens (0 for a padding row, which sees nothing)."""
+
+    rows: Tensor
+    q_start: Tensor
+    kv_lens: Tensor
+    q_len: int = 1
+
+    @classmethod
+    def of(cls, plan: PackedPlan) -> "DecodeRows":
+        pos = plan.tok_pos[: plan.decode_len]
+        return cls(plan.tok_rows[: plan.decode_len], pos.clamp_min(0), torch.where(pos >= 0, pos + 1, 0))
+
+
 class PackedBlockMask(_StepMask):
     """The mask of a ragged (packed) step: one query row holding many sequences' tokens.
 
     The step has two regions: decode tokens (one per sequence) and prefill chunks (blocks of
     ``chunk_block`` tokens of one row). Each region's FlexAttention metadata is built from the
-    page table when a layer asks for it (``region``): decode blocks of one token listing their
-    own row's pages, chunk blocks listing their row's pages with those wholly before the
-    block as full blocks. On CPU a region holding one sequence's tokens (a lone decode
-    token, a lone prefill chunk) is attended by SDPA over that sequence's pages instead
-    (``decode_kv``, ``chunk_kv``), and never builds block metadata.
+    page table when a layer asks for it (``region``): the decode tokens as a batch of one-token
+    rows (``DecodeRows``) each listing its own pages, chunk blocks listing their row's pages
+    with those wholly before the block as full blocks. Every query block is 16 tokens or more
+    (a decode row's one query sits in a block of ``Q_BLOCK_SIZE``), as the GPU kernels require.
+    On CPU a region holding one sequence's tokens (a lone decode token, a lone prefill chunk)
+    is attended by SDPA over that sequence's pages instead (``decode_kv``, ``chunk_kv``), and
+    never builds block metadata.
     """
 
     plan: PackedPlan
@@ -386,7 +408,7 @@ class PackedBlockMask(_StepMask):
         mask = cls.__new__(cls)
         mask._start(page_table, plan.q_len, 1)
         mask.plan = plan
-        mask.BLOCK_SIZE = (1 if plan.decode_len else plan.chunk_block, page_table.page_size)
+        mask.BLOCK_SIZE = (Q_BLOCK_SIZE if plan.decode_len else plan.chunk_block, page_table.page_size)
         return mask
 
     def _causal(self) -> BlockMask:
@@ -395,10 +417,16 @@ class PackedBlockMask(_StepMask):
     def region(self, name: str, window: int | None = None, cap: float | None = None
                ) -> tuple[int, int, BlockMask, ScoreMod | None]:
         """``(start, end, block_mask, score_mod)`` of the ``"decode"`` or ``"chunk"`` region, for
-        a causal mask restricted to a sliding ``window`` and scores soft-capped at ``cap``."""
+        a causal mask restricted to a sliding ``window`` and scores soft-capped at ``cap``. The
+        decode region's mask is for its tokens as a batch of one-token rows (``DecodeRows``)."""
         plan = self.plan
-        start, end, q_block = (0, plan.decode_len, 1) if name == "decode" else (plan.decode_len, plan.q_len,
-                                                                               plan.chunk_block)
+        if name == "decode":
+            rows = self._variant(("decode_rows",), lambda: DecodeRows.of(plan))
+            mask_mod = None if window is None else sliding_window(window)
+            return self._variant(("decode", window, cap), lambda: (
+                0, plan.decode_len, _build(self.page_table, rows, mask_mod, Q_BLOCK_SIZE),
+                None if cap is None else paged_score_mod(self.page_table, rows, softcap(cap))))
+        start, end, q_block = plan.decode_len, plan.q_len, plan.chunk_block
         if cap is not None:  # the same block metadata as without soft-capping, plus the score mod
             rows, pos = plan.tok_rows[start:end], plan.tok_pos[start:end]
             return self._variant((name, window, cap), lambda: (

@@ -13,7 +13,8 @@ from flexpage import masks
 GARBAGE = 1e4  # what unwritten slots hold: any read of one shows up as a huge error
 
 
-def make_cache(page_size, num_pages, num_kv_heads, head_dim, dtype=torch.float32, max_batch_size=8, seed=0):
+def make_cache(page_size, num_pages, num_kv_heads, head_dim, dtype=torch.float32, max_batch_size=8, seed=0,
+               device="cpu"):
     """A one-layer cache whose free list is shuffled, so pages land scattered over the pool."""
     cache = flexpage.PagedKVCache(
         num_layers=1,
@@ -23,6 +24,7 @@ def make_cache(page_size, num_pages, num_kv_heads, head_dim, dtype=torch.float32
         num_pages=num_pages,
         max_batch_size=max_batch_size,
         dtype=dtype,
+        device=device,
     )
     free = list(cache.page_table.free_pages)
     random.Random(seed).shuffle(free)
@@ -38,12 +40,12 @@ def write_step(cache, rows, keys, values, q_len=None):
     counts = [k.shape[1] for k in keys]
     plan = cache.begin_step(rows, counts, q_len)
     batch, hkv, d = len(rows), keys[0].shape[0], keys[0].shape[2]
-    k = torch.zeros(batch, hkv, plan.q_len, d, dtype=cache.dtype)
+    k = torch.zeros(batch, hkv, plan.q_len, d, dtype=cache.dtype, device=cache.layers[0].keys.device)
     v = torch.zeros_like(k)
     for b, n in enumerate(counts):
         if n:
-            k[b, :, plan.q_len - n :] = keys[b]
-            v[b, :, plan.q_len - n :] = values[b]
+            k[b, :, plan.q_len - n :] = keys[b].to(k.device)
+            v[b, :, plan.q_len - n :] = values[b].to(v.device)
     pools = cache.update(k, v, 0)
     return plan, pools
 

@@ -44,17 +44,19 @@ def kv_bytes_per_token(config, dtype_bytes: int) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype_bytes
 
 
-def build_configs(model_name: str, max_len: int, page_size: int):
-    """name -> (model, extra generate kwargs, kv bytes reserved(length))."""
-    stock = zoo.load(model_name)
+def build_configs(model_name: str, max_len: int, page_size: int, device: str = "cpu"):
+    """name -> (model, extra generate kwargs, kv bytes reserved(length)), every model on ``device``."""
+    def load(**kwargs):
+        return zoo.load(model_name, **kwargs).to(device)
+
+    stock = load()
     per_token = kv_bytes_per_token(stock.config, 4)
-    paged = flexpage.wrap(zoo.load(model_name), page_size=page_size, max_cached_tokens=max_len)
-    compiled_paged = flexpage.wrap(zoo.load(model_name), page_size=page_size, max_cached_tokens=max_len,
-                                   compile_decode=True)
+    paged = flexpage.wrap(load(), page_size=page_size, max_cached_tokens=max_len)
+    compiled_paged = flexpage.wrap(load(), page_size=page_size, max_cached_tokens=max_len, compile_decode=True)
     pool_bytes = sum(layer.keys.numel() * 2 * layer.keys.element_size() for layer in paged._flexpage.cache.layers)
-    engine = flexpage.Engine(zoo.load(model_name), page_size=page_size, max_cached_tokens=max_len,
+    engine = flexpage.Engine(load(), page_size=page_size, max_cached_tokens=max_len,
                              max_batch_size=8, max_tokens_per_step=512, prefix_caching=False)  # repeats recompute
-    flex = zoo.load(model_name, attn_implementation="flex_attention")
+    flex = load(attn_implementation="flex_attention")
     compiled = CompileConfig(fullgraph=False, dynamic=False)
     compiled._compile_all_devices = True  # transformers only auto-compiles on accelerators otherwise
     return {
@@ -109,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--device", default="cpu", help="where the models run (cpu, cuda, ...)")
     parser.add_argument("--no-cache-budget", type=float, default=20.0,
                         help="seconds: stock_no_cache stops at the first length whose call takes longer")
     parser.add_argument("--probe-tolerance", type=float, default=1.5)
@@ -121,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
         args.lengths, args.new_tokens, args.repeats = [64, 256], 8, 2
 
     max_len = max(args.lengths) + args.new_tokens
-    configs = {k: v for k, v in build_configs(args.model, args.batch * max_len, args.page_size).items()
+    configs = {k: v for k, v in build_configs(args.model, args.batch * max_len, args.page_size, args.device).items()
                if k in args.configs}
     vocab = next(iter(configs.values()))[0].config.vocab_size
     per_token = kv_bytes_per_token(next(iter(configs.values()))[0].config, 4)
@@ -129,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     progress = tqdm(total=len(args.lengths) * len(configs) * (args.repeats + 1), desc="latency")
     for length in args.lengths:
         ids = torch.randint(3, vocab, (args.batch, length), generator=torch.Generator().manual_seed(length))
+        ids = ids.to(args.device)
         samples: dict[str, list[dict]] = {name: [] for name in configs}
         warmup: dict[str, float] = {}
         for name, (model, extra, _) in configs.items():  # warm-up: compiles, first-touch allocations
@@ -172,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
             records.append(record)
     progress.close()
     meta = {"machine": machine_info(), "model": args.model, "batch": args.batch, "new_tokens": args.new_tokens,
-            "repeats": args.repeats, "page_size": args.page_size, "dtype": "float32",
+            "repeats": args.repeats, "page_size": args.page_size, "dtype": "float32", "device": args.device,
             "dropped": dropped, "command": " ".join(sys.argv)}
     stem = os.path.join(out_dir(args), args.name)
     write_records(stem, records, meta)

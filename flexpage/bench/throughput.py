@@ -51,9 +51,9 @@ def make_workload(n: int, prompt_range: tuple[int, int], output_range: tuple[int
     return prompts, outputs
 
 
-def fixed_length_model(name: str):
+def fixed_length_model(name: str, device: str = "cpu"):
     """A model that never stops early (no EOS), so every configuration generates the same tokens."""
-    model = zoo.load(name)
+    model = zoo.load(name).to(device)
     model.generation_config.eos_token_id = None
     return model
 
@@ -104,7 +104,7 @@ def run_padded(model, prompts, outputs, batch_size: int) -> dict:
             ids[row, width - len(p) :] = torch.tensor(p)
             mask[row, width - len(p) :] = 1
         clock = TokenClock()
-        model.generate(ids, attention_mask=mask, max_new_tokens=max(news), min_new_tokens=max(news), do_sample=False,
+        model.generate(ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=max(news), min_new_tokens=max(news), do_sample=False,
                        pad_token_id=0, logits_processor=LogitsProcessorList([clock]))
         ttft += [clock.times[0] - start] * len(batch)
         for t in range(1, max(news) + 1):  # the dense cache holds batch x (width + t); live: the real tokens
@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens-per-step", type=int, default=512)
     parser.add_argument("--max-cached-tokens", type=int, default=65536)
     parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--device", default="cpu", help="where the models run (cpu, cuda, ...)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--probe-tolerance", type=float, default=1.5,
                         help="re-run a cell whose matmul probe after it is this much slower than the best probe")
@@ -161,13 +162,13 @@ def main(argv: list[str] | None = None) -> None:
         args.requests, args.prompt_range, args.output_range = 8, [16, 200], [4, 24]
         args.batch_sizes, args.engine_batch, args.max_tokens_per_step, args.max_cached_tokens = [1, 4], 8, 128, 4096
 
-    stock, paged = fixed_length_model(args.model), fixed_length_model(args.model)
+    stock, paged = fixed_length_model(args.model, args.device), fixed_length_model(args.model, args.device)
     prompts, outputs = make_workload(args.requests, args.prompt_range, args.output_range, stock.config.vocab_size,
                                      args.seed)
     engine = flexpage.Engine(paged, page_size=args.page_size, max_cached_tokens=args.max_cached_tokens,
                              max_batch_size=args.engine_batch, max_tokens_per_step=args.max_tokens_per_step)
     warmup = engine.stats().warmup_seconds  # every step shape, compiled when the engine was built
-    stock.generate(torch.tensor([prompts[0][:16]]), max_new_tokens=2, pad_token_id=0)  # stock warm-up
+    stock.generate(torch.tensor([prompts[0][:16]], device=stock.device), max_new_tokens=2, pad_token_id=0)  # warm-up
     first_run, _ = run_engine(engine, prompts, outputs, "flexpage_engine_first_run")
 
     records, errors = [], {}
@@ -198,7 +199,8 @@ def main(argv: list[str] | None = None) -> None:
     best_padded = max((r for r in records if r["config"].startswith("stock_padded")), key=lambda r: r["tokens_per_s"])
     for r in records:
         r["speedup_vs_best_padded"] = round(r["tokens_per_s"] / best_padded["tokens_per_s"], 3)
-    meta = {"machine": machine_info(), "model": args.model, "dtype": "float32", "requests": args.requests,
+    meta = {"machine": machine_info(), "model": args.model, "dtype": "float32", "device": args.device,
+            "requests": args.requests,
             "prompt_range": args.prompt_range, "output_range": args.output_range, "seed": args.seed,
             "engine": {"max_batch_size": args.engine_batch, "max_tokens_per_step": args.max_tokens_per_step,
                        "max_cached_tokens": args.max_cached_tokens, "page_size": args.page_size},

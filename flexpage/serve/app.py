@@ -37,34 +37,47 @@ class APIError(Exception):
 
 
 class Choice:
-    """One output's text so far: incremental detokenisation, stop strings, logprobs."""
+    """One output's text so far: incremental detokenisation, stop strings, logprobs.
+
+    Each token decodes only a short window (the tokens since the last complete character, after
+    a few before them for context), so a long output costs linear time, not quadratic.
+    """
 
     def __init__(self, tokenizer: Any, stops: list[str]) -> None:
         self.tokenizer, self.stops = tokenizer, stops
         self.tokens: list[int] = []
         self.logprobs: list[tuple[int, TokenLogprobs]] = []
         self.text, self.sent, self.finish_reason = "", 0, None
+        self._prefix = self._read = 0  # tokens[_prefix:_read] give context; tokens[_read:] are not in text yet
 
     def add(self, output: Output) -> None:
         self.tokens.append(output.token)
         if output.logprobs is not None:
             self.logprobs.append((output.token, output.logprobs))
-        self.text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        hits = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
+        searched = max(0, len(self.text) - max((len(s) for s in self.stops), default=0) + 1)
+        self.text += self._new_text(final=output.finish_reason is not None)
+        hits = [i for i in (self.text.find(s, searched) for s in self.stops) if i >= 0]
         if hits:
             self.text, self.finish_reason = self.text[: min(hits)], "stop"
         elif output.finish_reason is not None:
             self.finish_reason = output.finish_reason
 
+    def _new_text(self, final: bool) -> str:
+        """The text the tokens since ``_read`` add, once it ends in a complete character (or ``final``)."""
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        before = decode(self.tokens[self._prefix : self._read])
+        after = decode(self.tokens[self._prefix :])
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+            return ""  # nothing new yet, or a multi-byte character still incomplete
+        self._prefix, self._read = max(0, len(self.tokens) - 4), len(self.tokens)
+        return after[len(before) :]
+
     def delta(self) -> str:
-        """Text not sent yet that no later token can change: a possible start of a stop string
-        and an incomplete UTF-8 character are held back until the output ends."""
+        """Text not sent yet that no later token can change: a possible start of a stop string is
+        held back until the output ends."""
         end = len(self.text)
         if self.finish_reason is None:
-            if self.text.endswith("\ufffd"):
-                end -= 1
-            held = max((n for s in self.stops for n in range(1, len(s)) if self.text[:end].endswith(s[:n])), default=0)
-            end -= held
+            end -= max((n for s in self.stops for n in range(1, len(s)) if self.text.endswith(s[:n])), default=0)
         out, self.sent = self.text[self.sent : end], max(self.sent, end)
         return out
 

@@ -1,0 +1,75 @@
+"""The same code path on a CUDA GPU (skipped where there is none): paged attention against a
+float64 reference, wrap's greedy identity, the Engine's mixed workload, no recompiles after warm-up.
+``scripts/gpu_check.sh`` runs these with the benchmarks on a GPU machine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_attention import run_case
+
+import flexpage
+from flexpage import zoo
+from flexpage.bench.measure import compiled_graphs
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+TOLERANCE = {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}  # TF32 and half-precision kernels
+LENGTHS = {  # (contexts, new tokens) per row: lengths of 1, page-size multiples and not
+    "decode": ([40, 1, 133], [1, 1, 1]),
+    "prefill": ([0, 0, 0], [150, 1, 17]),
+    "chunked": ([17, 64, 0], [40, 3, 16]),
+}
+CASES = [(mode, page, mod, dtype, hq, hkv)
+         for mode in ("decode", "prefill", "chunked")
+         for page, mod in ((16, "causal"), (32, "sliding"), (64, "softcap"), (16, "alibi"), (16, "prefix_lm"))
+         for dtype in (torch.float32, torch.float16, torch.bfloat16)
+         for hq, hkv in ((8, 2),)] + [("decode", 16, "causal", torch.float16, 4, 4), ("decode", 16, "causal",
+                                                                                     torch.float16, 8, 1)]
+
+
+@pytest.mark.parametrize("mode, page_size, mod, dtype, hq, hkv", CASES, ids=lambda v: str(v).replace("torch.", ""))
+def test_paged_attention_matches_reference_on_cuda(mode, page_size, mod, dtype, hq, hkv):
+    contexts, news = LENGTHS[mode]
+    for seed in (0, 1):  # two placements of the pages in a shuffled pool
+        for out, ref in run_case(mode, page_size, mod, dtype, hq, hkv, contexts, news, seed, device="cuda"):
+            assert torch.isfinite(out).all()
+            assert (out - ref).abs().max().item() <= TOLERANCE[dtype]
+
+
+def greedy(model, ids, mask, n):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2"])
+def test_wrap_greedy_matches_stock_on_cuda(arch):
+    ids = torch.randint(3, 256, (3, 40), generator=torch.Generator().manual_seed(0)).cuda()
+    mask = torch.ones_like(ids)
+    mask[1, :25] = 0
+    mask[2, :7] = 0
+    stock = zoo.build(f"{arch}-tiny").cuda()
+    paged = flexpage.wrap(zoo.build(f"{arch}-tiny").cuda(), max_cached_tokens=4096)
+    assert torch.equal(greedy(paged, ids, mask, 24), greedy(stock, ids, mask, 24))
+    assert all(layer.keys.is_cuda for layer in paged._flexpage.cache.layers)
+
+
+def test_engine_mixed_workload_on_cuda():
+    """Preemption (a small pool), prefix hits (a shared prefix), every request equal to stock;
+    then unseen lengths compile nothing."""
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(3, 256, (48,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 40, 90, 17, 60, 3, 130, 9)]
+    new_tokens = [30, 12, 25, 40, 8, 20, 16, 33]
+    engine = flexpage.Engine(zoo.build("llama-tiny").cuda(), max_cached_tokens=512, max_batch_size=4,
+                             max_tokens_per_step=64)
+    outputs = engine.generate(prompts, max_new_tokens=new_tokens)
+    stock = zoo.build("llama-tiny").cuda()
+    for prompt, n, out in zip(prompts, new_tokens, outputs):
+        expected = greedy(stock, torch.tensor([prompt]).cuda(), None, n)[0, len(prompt):]
+        assert out == expected.tolist()
+    stats = engine.stats()
+    assert stats.preemptions > 0 and stats.prefix_hit_tokens > 0 and engine.cache.stats().pages_used == 0
+    graphs = compiled_graphs()
+    engine.generate([torch.randint(3, 256, (n,), generator=g).tolist() for n in (7, 77, 111, 2)],
+                    max_new_tokens=[9, 21, 5, 14])
+    assert compiled_graphs() == graphs

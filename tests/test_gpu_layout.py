@@ -1,0 +1,70 @@
+"""Every BlockMask flexpage builds satisfies FlexAttention's GPU (Triton) constraints, checked on
+CPU so that no GPU has to see an invalid mask: query blocks a multiple of 16 tokens (a decode
+row's one query sits in one block), KV block = page size, and on a GPU block metadata as wide as
+a sequence's page budget, never the pool."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from reference import make_cache
+
+from flexpage import masks
+from flexpage.masks import PackedBlockMask, PagedBlockMask
+
+PAGE = 16
+VARIANTS = [(None, None), (24, None), (None, 30.0)]  # (window, soft-cap)
+
+
+def gpu_violations(mask, page_size: int) -> list[str]:
+    """Why a BlockMask would be refused by FlexAttention's GPU kernels (empty: it would not)."""
+    q_block, kv_block = mask.BLOCK_SIZE
+    found = []
+    if q_block % 16:
+        found.append(f"query block of {q_block} tokens is not a multiple of 16")
+    if kv_block != page_size:
+        found.append(f"KV block of {kv_block} differs from the page size {page_size}")
+    if mask.kv_num_blocks.shape[1] != 1:
+        found.append("the mask is not shared by every head")
+    return found
+
+
+def test_violations_are_detected():
+    bad = SimpleNamespace(BLOCK_SIZE=(1, 32), kv_num_blocks=torch.zeros(1, 1, 1))
+    assert len(gpu_violations(bad, PAGE)) == 2
+
+
+def test_generate_prefill_and_decode_masks():
+    cache = make_cache(PAGE, 64, 2, 32, max_batch_size=4)
+    for counts, q_len, positions in (([20, 9], 32, 20), ([1, 1], 1, 1)):  # a left-padded prefill, then decode
+        plan = cache.begin_batch_step(counts, q_len, positions=positions)
+        mask = PagedBlockMask.for_step(cache.page_table, plan)
+        for window, _ in VARIANTS:
+            assert gpu_violations(mask.with_window(window), PAGE) == []
+
+
+@pytest.mark.parametrize("decode_len, chunk_len", [(4, 96), (2, 64), (0, 64)])
+def test_engine_region_masks(decode_len, chunk_len):
+    cache = make_cache(PAGE, 64, 2, 32, max_batch_size=8)
+    rows = [cache.add_sequence() for _ in range(4)]
+    for row, n in zip(rows, (30, 5, 50, 12)):  # cached context
+        cache.begin_step([row], [n])
+    decoding = rows[: min(2, decode_len)]
+    plan = cache.begin_packed_step(decoding, [(rows[2], 20), (rows[3], 7)], decode_len, chunk_len)
+    mask = PackedBlockMask.for_step(cache.page_table, plan)
+    for window, cap in VARIANTS:
+        for name in ("decode", "chunk") if decode_len else ("chunk",):
+            start, end, block_mask, _ = mask.region(name, window, cap)
+            assert gpu_violations(block_mask, PAGE) == [], (name, window, cap)
+            if name == "decode":  # one-token rows, each with its own pages
+                assert block_mask.kv_num_blocks.shape[0] == decode_len and block_mask.seq_lengths[0] == 1
+
+
+def test_gpu_metadata_width_follows_the_page_budget_not_the_pool():
+    for pool_pages in (64, 4096, 1 << 20):
+        table = SimpleNamespace(device=torch.device("cuda"), num_pages=pool_pages, max_pages_per_seq=128)
+        assert masks.metadata_width(table) == 128
+    cpu = SimpleNamespace(device=torch.device("cpu"), num_pages=4096, max_pages_per_seq=128)
+    assert masks.metadata_width(cpu) == 4097  # inductor's CPU template needs the whole pool listed
