@@ -18,6 +18,9 @@ from ..errors import InvalidRequestError, StepFailedError
 from .metrics import Metrics
 
 
+KEEPALIVE_SECONDS = 30.0  # under tensor parallelism, the longest the other ranks wait for a step
+
+
 class QueueFullError(Exception):
     """The waiting queue holds ``max_waiting`` requests already (HTTP 429)."""
 
@@ -103,10 +106,13 @@ class EngineRunner:
     # ------------------------------------------------------------------ engine thread
     def _loop(self) -> None:
         try:
+            last_step = time.monotonic()
             while not self._stopping.is_set():
                 self._drain(block=not self.engine.scheduler.has_work)
-                if self.engine.scheduler.has_work:
+                idle_ranks = self.engine.ranks is not None and time.monotonic() - last_step > KEEPALIVE_SECONDS
+                if self.engine.scheduler.has_work or idle_ranks:  # an idle step keeps followers' collectives alive
                     self._step()
+                    last_step = time.monotonic()
             self.engine.close()  # tensor-parallel followers stop with us
         except Exception as error:  # a bug, not a failed step: fail everyone, report unhealthy
             self.failure = f"{type(error).__name__}: {error}"
