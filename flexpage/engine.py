@@ -195,6 +195,7 @@ class Engine:
         return self._queue(tokens, params)
 
     def _queue(self, tokens: list[int], params: SamplingParams) -> int:
+        """Schedule a checked request; its output indices are the next ``num_return_sequences``."""
         index = self._next_index
         self._next_index += params.num_return_sequences  # sample j of the request is output index + j
         for j in range(params.num_return_sequences):
@@ -297,6 +298,8 @@ class Engine:
         """Run one ragged step; return the ``(request index, token)`` pairs it produced."""
         step_start = time.perf_counter()
         if self.ranks is not None:
+            if self._closed:
+                raise RuntimeError("this tensor-parallel engine was closed: its other ranks no longer follow")
             self._sync()
             if self._closed:
                 return []
