@@ -2,7 +2,9 @@
 
 import http.client
 import socket
+import subprocess
 import time
+from contextlib import contextmanager
 
 
 def free_socket() -> socket.socket:
@@ -30,3 +32,33 @@ def wait_until(condition, seconds: float = 30) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
+
+
+@contextmanager
+def running_server(command: list[str], env: dict | None = None, seconds: float = 300):
+    """Start ``command --port P`` (P a free loopback port), wait until its /health answers 200
+    (bounded), yield its base URL, and stop it."""
+    sock = free_socket()
+    port = sock.getsockname()[1]
+    sock.close()  # the server binds it next
+    server = subprocess.Popen([*command, "--port", str(port)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        assert server.poll() is None, server.stdout.read().decode()[-3000:]
+        try:
+            return fetch(base, "GET", "/health")[0] == 200
+        except OSError:
+            return False
+
+    try:
+        wait_until(up, seconds)
+        yield base
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()

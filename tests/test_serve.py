@@ -22,7 +22,7 @@ import uvicorn
 import flexpage
 from flexpage import zoo
 from flexpage.serve import build_app
-from http_helpers import fetch, free_socket, wait_until
+from http_helpers import fetch, free_socket, running_server, wait_until
 
 MODEL = "llama-tiny"
 BIN = Path(sys.executable).parent
@@ -308,28 +308,11 @@ def test_flexpage_serve_command(tmp_path):
     model_dir = tmp_path / "model"
     zoo.build(MODEL).save_pretrained(model_dir)
     zoo.load_tokenizer(MODEL).save_pretrained(model_dir)
-    sock = free_socket()
-    port = sock.getsockname()[1]
-    sock.close()  # the server binds it next
-    server = subprocess.Popen([str(BIN / "flexpage"), "serve", str(model_dir), "--port", str(port),
-                               "--served-model-name", "mine", "--max-cached-tokens", "2048", "--max-batch-size", "8",
-                               "--max-tokens-per-step", "128"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        base = f"http://127.0.0.1:{port}"
-
-        def up() -> bool:
-            assert server.poll() is None, server.stdout.read().decode()[-2000:]
-            try:
-                return fetch(base, "GET", "/health")[0] == 200
-            except OSError:
-                return False
-
-        wait_until(up, seconds=300)
+    command = [str(BIN / "flexpage"), "serve", str(model_dir), "--served-model-name", "mine", "--max-cached-tokens",
+               "2048", "--max-batch-size", "8", "--max-tokens-per-step", "128"]
+    with running_server(command) as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
         out = client.completions.create(model="mine", prompt="Hello", max_tokens=4, temperature=0)
         expected = stock_greedy(zoo.build(MODEL), zoo.load_tokenizer(MODEL)("Hello")["input_ids"], 4)
         assert out.choices[0].text == zoo.load_tokenizer(MODEL).decode(expected, skip_special_tokens=True)
         assert json.loads(fetch(base, "GET", "/v1/models")[1])["data"][0]["id"] == "mine"
-    finally:
-        server.terminate()
-        server.wait(timeout=30)

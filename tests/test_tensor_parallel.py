@@ -7,8 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import openai
 import pytest
 import torch
+from http_helpers import running_server
 
 import flexpage
 from flexpage import UnsupportedModelError, zoo
@@ -64,45 +66,19 @@ def test_engine_ranks_agree_and_match_stock(ranks):
 
 def test_flexpage_serve_under_torchrun(tmp_path):
     """Rank 0 serves HTTP, rank 1 follows its steps; the answer equals single-process stock."""
-    import openai
-
-    from http_helpers import fetch, free_socket, wait_until
-
     zoo.build("llama-tiny").save_pretrained(tmp_path / "model")
     tokenizer = zoo.load_tokenizer("llama-tiny")
     tokenizer.save_pretrained(tmp_path / "model")
-    sock = free_socket()
-    port = sock.getsockname()[1]
-    sock.close()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    server = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                               "-m", "flexpage.cli", "serve", str(tmp_path / "model"), "--tp-size", "2", "--port",
-                               str(port), "--max-cached-tokens", "256", "--max-batch-size", "4",
-                               "--max-tokens-per-step", "64"], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT)
-    try:
-        base = f"http://127.0.0.1:{port}"
-
-        def up() -> bool:
-            assert server.poll() is None, server.stdout.read().decode()[-3000:]
-            try:
-                return fetch(base, "GET", "/health")[0] == 200
-            except OSError:
-                return False
-
-        wait_until(up, seconds=300)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+               "flexpage.cli", "serve", str(tmp_path / "model"), "--tp-size", "2", "--max-cached-tokens", "256",
+               "--max-batch-size", "4", "--max-tokens-per-step", "64"]  # the worker's engine: its compiled shapes
+    with running_server(command, env=dict(os.environ, OMP_NUM_THREADS="1")) as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
         prompt = "Tensor parallel"
         outs = [client.completions.create(model=str(tmp_path / "model"), prompt=prompt, max_tokens=6, temperature=0)
                 for _ in range(2)]
         expected = stock_greedy(zoo.build("llama-tiny"), tokenizer(prompt)["input_ids"], 6)
         assert [o.choices[0].text for o in outs] == [tokenizer.decode(expected, skip_special_tokens=True)] * 2
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
 
 
 def test_kv_heads_that_do_not_split_are_refused():
