@@ -16,11 +16,22 @@ def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
                           enable_gqa=enable_gqa, kernel_options=kernel_options)
 
 
-def kernel_options(query: Tensor) -> dict | None:
-    """On GPUs, queries of more than one token per row stay on the FlexAttention kernel (below
-    128 tokens PyTorch would route them to its decode kernel, which our chunk masks don't fit);
-    one-token rows (decode) take the decode kernel."""
-    return {"FORCE_USE_FLEX_ATTENTION": True} if query.device.type != "cpu" and query.shape[2] > 1 else None
+def kernel_options(query: Tensor, block_size: tuple[int, int]) -> dict | None:
+    """FlexAttention kernel options for ``query`` over a mask of ``block_size`` (query, KV) blocks.
+
+    On GPUs, queries of more than one token per row stay on the FlexAttention kernel (below 128
+    tokens PyTorch would route them to its decode kernel, which our chunk masks don't fit), and
+    its tiles must divide the mask's blocks: its default tiles reach 128 queries x 128 keys, so a
+    query block under 128 tokens sets the query tile and a page under 128 tokens the key tile
+    (at most 64). One-token rows (decode) take the decode kernel, which fits its tiles itself.
+    """
+    if query.device.type == "cpu" or query.shape[2] == 1:
+        return None
+    q_block, kv_block = block_size
+    options = {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_N": min(kv_block, 64)}
+    if q_block < 128:
+        options["BLOCK_M"] = q_block
+    return options
 
 
 # One compile per static shape (batch, heads, q_len, pool): the pool never changes shape, so
@@ -79,7 +90,7 @@ def paged_attention(
             f"block_mask is for batch {block_mask.kv_num_blocks.shape[0]} but query has batch {query.shape[0]}"
         )
     return _compiled_flex_attention(query, key_pool, value_pool, score_mod, block_mask, scale, num_heads != num_kv_heads,
-                                    kernel_options(query))
+                                    kernel_options(query, block_mask.BLOCK_SIZE))
 
 
 def fresh_prefill_attention(

@@ -27,7 +27,7 @@ from transformers.generation.logits_process import (
 
 from .attention import sdpa_over_pages
 from .errors import InvalidRequestError, OutOfPagesError, StepFailedError
-from .hf import wrap
+from .hf import cache_argument, wrap
 from .masks import PackedBlockMask
 from .pages import cdiv
 from .parallel import RankSync
@@ -159,6 +159,7 @@ class Engine:
         self.scheduler = Scheduler(self.cache, max_batch_size, max_tokens_per_step, CHUNK_BLOCK, prefix_caching)
         softcap = getattr(model.config, "attn_logit_softcapping", None)
         self._lone_decode_eager = sdpa_over_pages(self.model.device, softcap, 1)  # a lone decode token takes SDPA
+        self._cache_argument = cache_argument(self.model)
         self.warmup_seconds = 0.0
         self._sampling: dict[int, tuple[SamplingParams, torch.Generator | None]] = {}
         self._next_index = 0
@@ -369,7 +370,7 @@ class Engine:
             input_ids=torch.tensor([ids], device=device),
             position_ids=plan.tok_pos.clamp_min(0)[None].to(device),
             attention_mask=PackedBlockMask.for_step(self.cache.page_table, plan),
-            cache=self.cache,
+            **{self._cache_argument: self.cache},
             use_cache=True,
             logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
         ).logits[0]

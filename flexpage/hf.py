@@ -16,6 +16,7 @@ Only transformers' own extension points are used, and only on the model given:
 
 from __future__ import annotations
 
+import inspect
 import sys
 import types
 from dataclasses import dataclass
@@ -178,6 +179,12 @@ def _execution_device(module: torch.nn.Module) -> torch.device | None:
     return None
 
 
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name under which ``model``'s forward takes its KV cache: ``cache`` from transformers
+    5.24 on, ``past_key_values`` before (and in models that kept the old name)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def _paged_generate(self: PreTrainedModel, *args: Any, **kwargs: Any) -> Any:
     """``generate`` on a wrapped model: uses the model's PagedKVCache unless given a cache."""
     if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None or kwargs.get("use_cache") is False:
@@ -185,7 +192,7 @@ def _paged_generate(self: PreTrainedModel, *args: Any, **kwargs: Any) -> Any:
     cache = self._flexpage.cache
     cache.reset()
     try:
-        return type(self).generate(self, *args, cache=cache, **kwargs)
+        return type(self).generate(self, *args, **{cache_argument(self): cache}, **kwargs)
     finally:
         cache.reset()
 

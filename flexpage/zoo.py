@@ -47,9 +47,13 @@ def build(
 ) -> PreTrainedModel:
     """A causal LM from config ``name`` with seeded random weights, in eval mode.
 
-    ``attn_implementation`` defaults to sdpa where the architecture supports it, else eager.
+    ``attn_implementation`` defaults to sdpa where the architecture supports it, else eager; a
+    model with attention-logit softcapping always defaults to eager, since SDPA would silently drop
+    the softcap (transformers before 5.18 chose SDPA for Gemma 2).
     """
     config = load_config(name, **overrides)
+    if attn_implementation is None and getattr(config, "attn_logit_softcapping", None):
+        attn_implementation = "eager"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)

@@ -4,26 +4,46 @@
 #
 #   bash scripts/gpu_check.sh
 #
-# Needs a CUDA build of torch already installed (pip would otherwise pull whatever it likes);
-# installs flexpage and its test dependencies next to it, from PyPI or from wheels in $WHEELS.
-set -euo pipefail
+# Needs a CUDA build of torch already installed (pip would otherwise pull whatever it likes).
+# flexpage runs from this checkout; its other dependencies are installed only if missing, from
+# PyPI or from the wheels in $WHEELS.
+set -uo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT=results/gpu
+
+if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "gpu_check: no CUDA GPU visible to torch (or no torch installed); nothing to check on this machine." >&2
+  exit 2
+fi
 mkdir -p "$OUT"
+missing=$(python - <<'PY'
+import importlib.util
+need = {"transformers": "transformers", "accelerate": "accelerate", "einops": "einops", "tqdm": "tqdm",
+        "pytest": "pytest", "pytest_timeout": "pytest-timeout", "hypothesis": "hypothesis",
+        "matplotlib": "matplotlib", "numpy": "numpy"}
+print(" ".join(pkg for mod, pkg in need.items() if importlib.util.find_spec(mod) is None))
+PY
+)
+if [ -n "$missing" ]; then
+  pip install --quiet ${WHEELS:+--no-index --find-links "$WHEELS"} $missing || { echo "gpu_check: could not install: $missing" >&2; exit 2; }
+fi
 python - <<'PY' | tee "$OUT/device.txt"
 import torch, transformers
-assert torch.cuda.is_available(), "no CUDA GPU visible"
-print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}")
+print(f"{torch.cuda.get_device_name()}; torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}")
 PY
-pip install --quiet ${WHEELS:+--no-index --find-links "$WHEELS"} --no-build-isolation -e ".[dev]" 2>&1 | tail -3 || \
-  pip install --quiet ${WHEELS:+--no-index --find-links "$WHEELS"} --no-build-isolation --no-deps -e .
+
 status=0
-timeout 300 python -m pytest -q tests/test_cuda.py tests/test_gpu_layout.py --junitxml "$OUT/tests.xml" \
-  2>&1 | tee "$OUT/tests.txt" || status=$?
-timeout 240 python -m flexpage.cli bench latency --device cuda --lengths 128 512 2048 --new-tokens 32 --repeats 2 \
+workers=$(python -c "import importlib.util as u; print('-n 6' if u.find_spec('xdist') else '')")
+timeout 170 python -m pytest -q $workers -p no:cacheprovider tests/test_cuda.py tests/test_gpu_layout.py \
+  --junitxml "$OUT/tests.xml" >"$OUT/tests.txt" 2>&1 || status=$?
+tail -15 "$OUT/tests.txt"
+timeout 140 python -m flexpage.cli bench latency --device cuda --lengths 128 512 2048 --new-tokens 32 --repeats 2 \
   --configs flexpage flexpage_engine stock_dynamic_sdpa stock_static_compiled --out "$OUT" \
-  2>&1 | tail -20 | tee "$OUT/latency.txt" || status=$?
-timeout 240 python -m flexpage.cli bench throughput --device cuda --requests 32 --batch-sizes 8 16 32 --out "$OUT" \
-  2>&1 | tail -20 | tee "$OUT/throughput.txt" || status=$?
-echo "results in $OUT (exit status $status)"
+  >"$OUT/latency.txt" 2>&1 || status=$?
+tail -12 "$OUT/latency.txt"
+timeout 120 python -m flexpage.cli bench throughput --device cuda --requests 16 --prompt-range 64 1024 --output-range 16 128 --batch-sizes 8 16 --out "$OUT" \
+  >"$OUT/throughput.txt" 2>&1 || status=$?
+tail -12 "$OUT/throughput.txt"
+echo "gpu_check: results in $OUT (exit status $status)"
 exit $status

@@ -43,6 +43,15 @@ def test_script_file_runs_its_subcommand():
     assert done.stdout.startswith("usage: flexpage bench latency")
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message of a machine without a GPU")
+def test_gpu_check_on_a_machine_without_a_gpu_says_so():
+    env = {"PATH": f"{BIN}:/usr/bin:/bin", "HOME": str(Path.home())}  # this environment's python first
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True, timeout=120,
+                          check=False, env=env)
+    assert done.returncode == 2
+    assert "no CUDA GPU visible" in done.stderr and "Traceback" not in done.stderr + done.stdout
+
+
 def test_prefix_benchmark_on_a_local_model_directory_and_its_notebook(tmp_path, monkeypatch):
     """bench prefix --quick on a model saved to disk: caching halves the pages and changes no token."""
     model_dir = tmp_path / "model"

@@ -60,7 +60,7 @@ def test_engine_mixed_workload_on_cuda():
     shared = torch.randint(3, 256, (48,), generator=g).tolist()
     prompts = [shared + torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 40, 90, 17, 60, 3, 130, 9)]
     new_tokens = [30, 12, 25, 40, 8, 20, 16, 33]
-    engine = flexpage.Engine(zoo.build("llama-tiny").cuda(), max_cached_tokens=512, max_batch_size=4,
+    engine = flexpage.Engine(zoo.build("llama-tiny").cuda(), max_cached_tokens=256, max_batch_size=4,
                              max_tokens_per_step=64)
     outputs = engine.generate(prompts, max_new_tokens=new_tokens)
     stock = zoo.build("llama-tiny").cuda()

@@ -1,7 +1,8 @@
 """Every BlockMask flexpage builds satisfies FlexAttention's GPU (Triton) constraints, checked on
 CPU so that no GPU has to see an invalid mask: query blocks a multiple of 16 tokens (a decode
-row's one query sits in one block), KV block = page size, and on a GPU block metadata as wide as
-a sequence's page budget, never the pool."""
+row's one query sits in one block), KV block = page size, kernel tiles that divide both blocks
+(whatever default tile PyTorch would pick, up to 128 x 128), and on a GPU block metadata as wide
+as a sequence's page budget, never the pool."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from reference import make_cache
 
 from flexpage import masks
+from flexpage.attention import kernel_options
 from flexpage.masks import PackedBlockMask, PagedBlockMask
 
 PAGE = 16
@@ -28,12 +30,22 @@ def gpu_violations(mask, page_size: int) -> list[str]:
         found.append(f"KV block of {kv_block} differs from the page size {page_size}")
     if mask.kv_num_blocks.shape[1] != 1:
         found.append("the mask is not shared by every head")
+    q_len = mask.seq_lengths[0]
+    options = kernel_options(torch.empty(1, 1, q_len, 8, device="meta"), mask.BLOCK_SIZE)  # as on a GPU
+    if q_len > 1:  # the FlexAttention kernel (one-token rows take the decode kernel, which fits its own tiles)
+        if not options or not options.get("FORCE_USE_FLEX_ATTENTION"):
+            found.append(f"a {q_len}-token query would be routed to the decode kernel")
+        tile_m, tile_n = (options or {}).get("BLOCK_M", 128), (options or {}).get("BLOCK_N", 128)
+        if q_block % tile_m or kv_block % tile_n or min(tile_m, tile_n) < 16:
+            found.append(f"tiles {tile_m}x{tile_n} do not divide blocks {q_block}x{kv_block}")
     return found
 
 
 def test_violations_are_detected():
-    bad = SimpleNamespace(BLOCK_SIZE=(1, 32), kv_num_blocks=torch.zeros(1, 1, 1))
+    bad = SimpleNamespace(BLOCK_SIZE=(1, 32), kv_num_blocks=torch.zeros(1, 1, 1), seq_lengths=(1, 64))
     assert len(gpu_violations(bad, PAGE)) == 2
+    untiled = SimpleNamespace(BLOCK_SIZE=(16, 8), kv_num_blocks=torch.zeros(1, 1, 1), seq_lengths=(32, 64))
+    assert any("tiles" in v for v in gpu_violations(untiled, 8))  # an 8-token page fits no tile
 
 
 def test_generate_prefill_and_decode_masks():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, T5Config, T5ForConditionalGeneration
+from transformers import AutoModelForCausalLM, LlamaForCausalLM, T5Config, T5ForConditionalGeneration
 
 import flexpage
 from flexpage import zoo
@@ -93,7 +93,8 @@ def test_saved_and_reloaded_model(tmp_path):
     assert torch.equal(greedy(paged, ids, mask, max_new_tokens=20), greedy(stock, ids, mask, max_new_tokens=20))
 
 
-@pytest.mark.parametrize("alias", ["cache", "past_key_values"])
+# every name the installed transformers takes a cache under (``cache`` from 5.24 on)
+@pytest.mark.parametrize("alias", sorted({"past_key_values", flexpage_hf.cache_argument(LlamaForCausalLM)}))
 def test_explicit_cache_holds_exactly_the_live_tokens(alias):
     model = flexpage.wrap(zoo.build("llama-tiny"))
     stock = zoo.build("llama-tiny")
@@ -114,15 +115,16 @@ def test_out_of_pages_raises_before_overwriting_and_next_call_succeeds():
     cache = PagedKVCache(model.config, page_size=16, num_pages=4, max_batch_size=2)  # 64 tokens
     ids, mask = prompts((60,))
     with pytest.raises(OutOfPagesError):
-        greedy(model, ids, mask, max_new_tokens=10, cache=cache)
+        greedy(model, ids, mask, max_new_tokens=10, **{flexpage_hf.cache_argument(model): cache})
     # the cache holds tokens 0..63 exactly as the stock model computed them: nothing overwritten
     reference = stock(torch.cat([ids, greedy(stock, ids, mask, max_new_tokens=4)[:, 60:]], 1), use_cache=True)
+    reference_cache = getattr(reference, flexpage_hf.cache_argument(stock))  # the output field has the argument's name
     row = cache.batch_rows[0]
     for layer in range(model.config.num_hidden_layers):
         keys, values = cache.gather(layer, row)
         assert keys.shape[1] == 64
-        assert torch.allclose(keys, reference.cache.layers[layer].keys[0], atol=1e-4)
-        assert torch.allclose(values, reference.cache.layers[layer].values[0], atol=1e-4)
+        assert torch.allclose(keys, reference_cache.layers[layer].keys[0], atol=1e-4)
+        assert torch.allclose(values, reference_cache.layers[layer].values[0], atol=1e-4)
     # through wrap: the failing call raises, releases its pages, and a fitting call then works
     small = flexpage.wrap(zoo.build("llama-tiny"), max_cached_tokens=64)
     with pytest.raises(OutOfPagesError):
@@ -159,7 +161,7 @@ def test_bfloat16_agrees_with_float32_stock():
     with torch.no_grad():
         for i in range(new):
             positions = (step_mask.cumsum(-1) - 1).clamp_min(0)[:, -step_ids.shape[1]:]  # as generate() does
-            logits = paged(input_ids=step_ids, attention_mask=step_mask, position_ids=positions, cache=cache).logits[:, -1]
+            logits = paged(input_ids=step_ids, attention_mask=step_mask, position_ids=positions, **{flexpage_hf.cache_argument(paged): cache}).logits[:, -1]
             predicted.append(logits.argmax(-1))
             step_ids = expected[:, i : i + 1]
             step_mask = torch.cat([step_mask, torch.ones_like(step_ids)], 1)
@@ -263,7 +265,7 @@ def test_cache_crop_select_and_repeat_keep_pages_consistent():
     model = flexpage.wrap(zoo.build("llama-tiny"))
     cache = PagedKVCache(model.config, page_size=16, num_pages=32, max_batch_size=8)
     ids, mask = prompts((5, 20))
-    greedy(model, ids, mask, max_new_tokens=6, min_new_tokens=6, cache=cache)
+    greedy(model, ids, mask, max_new_tokens=6, min_new_tokens=6, **{flexpage_hf.cache_argument(model): cache})
     lengths = [cache.seq_length(r) for r in cache.batch_rows]
     assert lengths == [5 + 5, 20 + 5] and cache.get_seq_length() == 20 + 5
     keys_before = cache.gather(0, cache.batch_rows[1])[0]

@@ -31,7 +31,7 @@ from transformers import CompileConfig, LogitsProcessorList
 
 import flexpage
 from flexpage import zoo
-from flexpage.bench.measure import (PeakRSS, TokenClock, add_out_argument, caption, compiled_graphs, machine_info, matmul_probe_ms,
+from flexpage.bench.measure import (PeakMemory, TokenClock, add_out_argument, caption, compiled_graphs, machine_info, matmul_probe_ms,
                                     out_dir, write_records)
 
 CONFIGS = ("flexpage", "flexpage_compiled", "flexpage_engine", "stock_dynamic_sdpa", "stock_flex_attention", "stock_static", "stock_static_compiled",
@@ -76,7 +76,7 @@ def run_once(model, ids, new_tokens, extra):
     clock = TokenClock()
     gc.collect()
     graphs = compiled_graphs()
-    with PeakRSS() as memory:
+    with PeakMemory(ids.device) as memory:
         start = time.perf_counter()
         if isinstance(model, flexpage.Engine):  # each prompt its own request, served together
             counts = [0] * ids.shape[0]

@@ -104,10 +104,12 @@ class TokenClock(LogitsProcessor):
         return scores
 
 
-class PeakRSS:
-    """Samples the process's resident memory in a thread; ``peak_mb`` is the high-water mark above the start."""
+class PeakMemory:
+    """Peak memory above the start while the block runs, in MB: on a CUDA device the allocator's
+    high-water mark; on CPU the process's resident memory, sampled in a thread."""
 
-    def __init__(self, interval: float = 0.002) -> None:
+    def __init__(self, device: torch.device | str = "cpu", interval: float = 0.002) -> None:
+        self.cuda = torch.device(device).type == "cuda"
         self.interval, self.peak, self._stop = interval, 0, threading.Event()
 
     @staticmethod
@@ -116,6 +118,11 @@ class PeakRSS:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
     def __enter__(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.start = self.peak = torch.cuda.memory_allocated()
+            return self
         self.start = self.peak = self.rss()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -126,6 +133,10 @@ class PeakRSS:
             self.peak = max(self.peak, self.rss())
 
     def __exit__(self, *exc):
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated()
+            return
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, self.rss())
@@ -209,5 +220,5 @@ def write_records(path_stem: str, records: list[dict], meta: dict) -> None:
         json.dump({"meta": meta, "records": records}, f, indent=2, default=str)
 
 
-__all__ = ["PeakRSS", "Timing", "TokenClock", "add_out_argument", "caption", "compiled_graphs", "interleaved",
+__all__ = ["PeakMemory", "Timing", "TokenClock", "add_out_argument", "caption", "compiled_graphs", "interleaved",
            "machine_info", "matmul_probe_ms", "notebook_results", "out_dir", "time_ms", "write_records"]
