@@ -158,7 +158,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(self.cache, max_batch_size, max_tokens_per_step, CHUNK_BLOCK, prefix_caching)
         softcap = getattr(model.config, "attn_logit_softcapping", None)
-        self._lone_decode_eager = sdpa_over_pages(self.model.device, softcap, 1)  # a lone decode token takes SDPA
+        self._device = self.model.device  # fixed once the pools are allocated (the property costs ~50 us a call)
+        self._lone_decode_eager = sdpa_over_pages(self._device, softcap, 1)  # a lone decode token takes SDPA
         self._cache_argument = cache_argument(self.model)
         self.warmup_seconds = 0.0
         self._sampling: dict[int, tuple[SamplingParams, torch.Generator | None]] = {}
@@ -209,7 +210,7 @@ class Engine:
     def _generator(self, params: SamplingParams, sample: int) -> torch.Generator | None:
         if not params.do_sample:
             return None
-        generator = torch.Generator(device=self.model.device)
+        generator = torch.Generator(device=self._device)
         if params.seed is None:
             generator.seed()
         else:
@@ -324,9 +325,8 @@ class Engine:
                 keep.append(len(ids) - span + n - 1)
                 sampled.append(seq)
         ids += [0] * (plan.q_len - len(ids))
-        forward_start = time.perf_counter()
         try:
-            logits = self._forward(ids, plan, keep)
+            logits, model_seconds = self._forward(ids, plan, keep)
         except BaseException as error:  # the step's tokens were never computed: give their slots back
             stepped = batch.decode + [seq for seq, _ in batch.chunks]
             for seq in stepped:
@@ -334,7 +334,6 @@ class Engine:
             if isinstance(error, Exception):
                 raise StepFailedError([seq.index for seq in stepped], error) from error
             raise
-        forward_end = time.perf_counter()
         for seq in batch.decode:
             seq.num_computed += 1
         for seq, n in batch.chunks:
@@ -360,20 +359,23 @@ class Engine:
                 del self._sampling[seq.index]
                 self._finished += 1
         self._record(batch, decode_len, chunk_len, len(produced))
-        self._host_seconds += time.perf_counter() - step_start - (forward_end - forward_start)
+        self._host_seconds += time.perf_counter() - step_start - model_seconds
         return produced
 
-    def _forward(self, ids: list[int], plan, keep: list[int]) -> torch.Tensor:
-        """One forward over a packed step; the logits of the ``keep`` positions."""
-        device = self.model.device
-        return self.model(
+    def _forward(self, ids: list[int], plan, keep: list[int]) -> tuple[torch.Tensor, float]:
+        """One forward over a packed step: the logits of the ``keep`` positions, and the seconds
+        the model itself took (building its inputs and mask is host work)."""
+        device = self._device
+        inputs = dict(
             input_ids=torch.tensor([ids], device=device),
-            position_ids=plan.tok_pos.clamp_min(0)[None].to(device),
+            position_ids=plan.position_ids.to(device),
             attention_mask=PackedBlockMask.for_step(self.cache.page_table, plan),
-            **{self._cache_argument: self.cache},
             use_cache=True,
             logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
-        ).logits[0]
+        )
+        start = time.perf_counter()
+        logits = self.model(**inputs, **{self._cache_argument: self.cache}).logits[0]
+        return logits, time.perf_counter() - start
 
     def _decode_len(self, count: int) -> int:
         """The decode region's size: a lone decode token attended eagerly takes one position

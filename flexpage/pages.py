@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -54,6 +54,7 @@ class PackedPlan:
     slots: torch.Tensor  # [1, q_len] int64, pool slot of each packed token
     tok_rows: torch.Tensor  # [q_len] int64, page-table row of each token
     tok_pos: torch.Tensor  # [q_len] int64, logical position of each token (-1: padding)
+    position_ids: torch.Tensor  # [1, q_len] int64, the model's position ids (padding at 0)
     decode_rows: tuple[int, ...]  # the rows of the leading decode tokens, on the host
     chunks: tuple[tuple[int, int], ...]  # ``(row, num_tokens)`` of each prefill chunk, on the host
     decode_len: int
@@ -136,6 +137,18 @@ class PageTable:
         # end). A page sits at the same logical index in every row that shares it.
         self.page_logical = torch.full((num_pages + 1,), -1, dtype=torch.int32, device=self.device)
         self.lens = torch.zeros(max_batch_size, dtype=torch.int32, device=self.device)
+        # On CPU the mirrors are written through NumPy views of the same memory: a step's few
+        # updates then cost no tensor op each (tens of microseconds a step at batch 32).
+        self._host = ({name: getattr(self, name).numpy() for name in ("table", "page_logical", "lens")}
+                      if self.device.type == "cpu" else {})
+
+    def _set(self, mirror: str, index: Any, values: int | Sequence[int]) -> None:
+        """``mirror[index] = values`` for host ints: through the NumPy view on CPU, else one copy."""
+        host = self._host.get(mirror)
+        if host is not None:
+            host[index] = values
+        else:
+            getattr(self, mirror)[index] = torch.as_tensor(values, dtype=torch.int32).to(self.device)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -185,8 +198,8 @@ class PageTable:
         self.seq_lens[row] = 0
         for page in reversed(pages):
             self._unref(page)
-        self.table[row] = -1
-        self.lens[row] = 0
+        self._set("table", row, -1)
+        self._set("lens", row, 0)
         if len(self.free_pages) == self.num_pages:  # an empty pool hands out pages in order again,
             self.free_pages = deque(range(self.num_pages))  # so a lone sequence's K/V stay contiguous
 
@@ -253,46 +266,41 @@ class PageTable:
             raise ValueError(f"rows ({len(rows)}) and num_tokens ({len(num_tokens)}) differ in length")
         if len(set(rows)) != len(rows):
             raise ValueError(f"rows must be distinct, got {list(rows)}")
-        needed = 0
+        page_size, needed, growth = self.page_size, 0, []
         for row, n in zip(rows, num_tokens):
-            self._pages(row)  # ValueError for a row holding no sequence
+            pages, length = self._pages(row), self.seq_lens[row]  # ValueError for a row holding no sequence
             if n < 0:
                 raise ValueError(f"num_tokens must be >= 0, got {n} for row {row}")
-            total_pages = cdiv(self.seq_lens[row] + n, self.page_size)
+            total_pages = cdiv(length + n, page_size)
             if total_pages > self.max_pages_per_seq:
                 raise OutOfPagesError(
-                    f"row {row} would need {total_pages} pages for {self.seq_lens[row] + n} tokens; "
+                    f"row {row} would need {total_pages} pages for {length + n} tokens; "
                     f"a sequence may hold at most {self.max_pages_per_seq} pages "
-                    f"({self.max_pages_per_seq * self.page_size} tokens)"
+                    f"({self.max_pages_per_seq * page_size} tokens)"
                 )
-            needed += self.pages_needed(row, n)
+            needed += max(0, total_pages - len(pages)) + self._needs_copy(row, n)
+            growth.append((row, n, pages, length, total_pages))
         if needed > self.num_free_pages:
             raise OutOfPagesError(
                 f"need {needed} free pages for {sum(num_tokens)} new tokens, "
                 f"only {self.num_free_pages} of {self.num_pages} are free"
             )
         copies = []
-        for row, n in zip(rows, num_tokens):
-            if self._needs_copy(row, n):
+        for row, n, pages, length, total_pages in growth:
+            if self._needs_copy(row, n):  # asked again: an earlier row's copy may have unshared the page
                 copies.append(self._copy_last_page(row))
-            pages, length = self.seq_pages[row], self.seq_lens[row]
             first_new = len(pages)
-            for _ in range(cdiv(length + n, self.page_size) - len(pages)):
+            for _ in range(total_pages - first_new):
                 pages.append(self._alloc())
-            for i in range(length // self.page_size, len(pages) if n else 0):  # private pages written into
-                self.page_fill[pages[i]] = min(self.page_size, length + n - i * self.page_size)
+            for i in range(length // page_size, total_pages if n else 0):  # private pages written into
+                self.page_fill[pages[i]] = min(page_size, length + n - i * page_size)
             self.live_tokens += n
-            if len(pages) > first_new:
-                new = torch.tensor(pages[first_new:], dtype=torch.int32)
-                self.table[row, first_new : len(pages)] = new.to(self.device)
-                self.page_logical[new.to(self.device)] = torch.arange(
-                    first_new, len(pages), dtype=torch.int32, device=self.device
-                )
+            if total_pages > first_new:
+                self._set("table", (row, slice(first_new, total_pages)), pages[first_new:])
+                self._set("page_logical", pages[first_new:], list(range(first_new, total_pages)))
             self.seq_lens[row] = length + n
         if rows:
-            self.lens[torch.tensor(list(rows), device=self.device)] = torch.tensor(
-                [self.seq_lens[r] for r in rows], dtype=torch.int32, device=self.device
-            )
+            self._set("lens", list(rows), [self.seq_lens[r] for r in rows])
         return copies
 
     def plan(self, rows: Sequence[int], new_tokens: Sequence[int], q_len: int | None = None) -> StepPlan:
@@ -391,14 +399,16 @@ class PageTable:
             rows[at : at + n] = [row] * n
             positions[at : at + n] = range(end - n, end)
             at += cdiv(n, chunk_block) * chunk_block
-        slots = [
-            self.seq_pages[r][p // self.page_size] * self.page_size + p % self.page_size if p >= 0 else self.sink_slot
-            for r, p in zip(rows, positions)
-        ]
+        page_size, seq_pages, sink = self.page_size, self.seq_pages, self.sink_slot
+        slots = [seq_pages[r][p // page_size] * page_size + p % page_size if p >= 0 else sink
+                 for r, p in zip(rows, positions)]
+        clamped = [max(p, 0) for p in positions]
+        packed = self._tensor(slots + rows + positions + clamped).view(4, q_len)  # one host-to-device copy
         return PackedPlan(
-            slots=self._tensor(slots)[None],
-            tok_rows=self._tensor(rows),
-            tok_pos=self._tensor(positions),
+            slots=packed[:1],
+            tok_rows=packed[1],
+            tok_pos=packed[2],
+            position_ids=packed[3:],
             decode_rows=tuple(decode_rows),
             chunks=tuple(chunks),
             decode_len=decode_len,
@@ -445,17 +455,17 @@ class PageTable:
         self.live_tokens += self.page_fill[dst]
         pages[-1] = dst
         self._unref(src)  # a registered page this row held alone goes to the prefix cache
-        self.table[row, len(pages) - 1] = dst
-        self.page_logical[dst] = len(pages) - 1
+        self._set("table", (row, len(pages) - 1), dst)
+        self._set("page_logical", dst, len(pages) - 1)
         return src, dst
 
     def _mirror(self, row: int) -> None:
         """Rewrite a row's device mirrors from the host lists."""
         pages = self.seq_pages[row]
-        self.table[row] = -1
+        self._set("table", row, -1)
         if pages:
-            self.table[row, : len(pages)] = torch.tensor(pages, dtype=torch.int32).to(self.device)
-        self.lens[row] = self.seq_lens[row]
+            self._set("table", (row, slice(0, len(pages))), pages)
+        self._set("lens", row, self.seq_lens[row])
 
     def _refill(self, page: int) -> None:
         """Recount a page's fill from the rows holding it (rare: after a truncation)."""
@@ -480,5 +490,5 @@ class PageTable:
                 self.cached_pages[page] = None
             else:
                 self.free_pages.append(page)
-                self.page_logical[page] = -1
+                self._set("page_logical", page, -1)
                 self.page_fill[page] = 0
