@@ -6,6 +6,8 @@ import subprocess
 import time
 from contextlib import contextmanager
 
+from flexpage.bench.measure import stop_process
+
 
 def free_socket() -> socket.socket:
     """A socket bound to a free port on 127.0.0.1."""
@@ -56,9 +58,4 @@ def running_server(command: list[str], env: dict | None = None, seconds: float =
         wait_until(up, seconds)
         yield base
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_process(server, 60)

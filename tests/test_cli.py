@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from flexpage import cli, zoo
-from flexpage.bench.measure import add_out_argument, out_dir
+from flexpage.bench.measure import add_run_arguments, out_dir
 from notebook_runner import run_notebook
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,8 +83,7 @@ def test_attention_notebook_runs_the_quick_benchmark(tmp_path, monkeypatch):
 def test_quick_mode_never_writes_into_results(tmp_path):
     """Without --out, a quick run goes to a new temporary directory, not over the committed figures."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
-    add_out_argument(parser)
+    add_run_arguments(parser, "a trial")
     quick = out_dir(parser.parse_args(["--quick"]))
     shutil.rmtree(quick)
     assert Path(quick).parent != ROOT and "flexpage-quick-" in quick

@@ -189,6 +189,19 @@ TestPageTableMachine = PageTableMachine.TestCase
 TestPageTableMachine.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
 
 
+class TensorMirrorMachine(PageTableMachine):
+    """The same rules with the device mirrors written by tensor ops, as on an accelerator (a CPU
+    table writes them through NumPy views)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pt._host = {}
+
+
+TestTensorMirrorMachine = TensorMirrorMachine.TestCase
+TestTensorMirrorMachine.settings = settings(max_examples=50, stateful_step_count=30, deadline=None)
+
+
 def test_fork_then_write_copies_shared_partial_page():
     pt = PageTable(8, 16, 4)
     a = pt.add_sequence()

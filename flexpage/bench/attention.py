@@ -22,7 +22,8 @@ from torch.nn.attention.flex_attention import flex_attention
 from tqdm import tqdm
 
 import flexpage
-from flexpage.bench.measure import add_out_argument, caption, interleaved, machine_info, out_dir, write_records
+from flexpage.bench.measure import (
+    add_run_arguments, caption, finish_axes, interleaved, save_figure, machine_info, out_dir, write_records)
 
 HQ, HKV, HEAD_DIM, PAGE = 8, 2, 64, 16
 
@@ -52,8 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--page-size", type=int, default=PAGE)
-    parser.add_argument("--quick", action="store_true", help="lengths 128 and 512, batch 1, 2 rounds")
-    add_out_argument(parser, "results/attention")
+    add_run_arguments(parser, "lengths 128 and 512, batch 1, 2 rounds", default="results/attention")
     args = parser.parse_args(argv)
     if args.quick:
         args.lengths, args.batches, args.rounds, args.repeats = [128, 512], [1], 2, 5
@@ -120,13 +120,9 @@ def plot(records: list[dict], meta: dict, path: str) -> None:
         ax.minorticks_off()
         ax.set(xlabel="live length L (tokens)", ylabel="ms per decode step (one layer)",
                title=f"decode attention, batch {batch}")
-        ax.set_xticks(sorted({r['length'] for r in records}), [str(x) for x in sorted({r['length'] for r in records})])
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        finish_axes(ax, sorted({r['length'] for r in records}))
     fig.suptitle(f"one attention layer, page {meta['page_size']} — {caption(meta)}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def print_summary(records: list[dict]) -> None:

@@ -31,8 +31,9 @@ from transformers import CompileConfig, LogitsProcessorList
 
 import flexpage
 from flexpage import zoo
-from flexpage.bench.measure import (PeakMemory, TokenClock, add_out_argument, caption, compiled_graphs, machine_info, matmul_probe_ms,
-                                    out_dir, write_records)
+from flexpage.bench.measure import (
+    PeakMemory, TokenClock, add_run_arguments, caption, compiled_graphs, finish_axes, save_figure,
+    machine_info, matmul_probe_ms, out_dir, write_records)
 
 CONFIGS = ("flexpage", "flexpage_compiled", "flexpage_engine", "stock_dynamic_sdpa", "stock_flex_attention", "stock_static", "stock_static_compiled",
            "stock_no_cache")
@@ -115,9 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-cache-budget", type=float, default=20.0,
                         help="seconds: stock_no_cache stops at the first length whose call takes longer")
     parser.add_argument("--probe-tolerance", type=float, default=1.5)
-    parser.add_argument("--quick", action="store_true", help="llama-tiny, lengths 64 and 256, 8 new tokens, 2 repeats")
-    add_out_argument(parser)
-    parser.add_argument("--name", default="latency", help="stem of the result files")
+    add_run_arguments(parser, "llama-tiny, lengths 64 and 256, 8 new tokens, 2 repeats", "latency")
     args = parser.parse_args(argv)
     args.model = zoo.chosen_model(args)
     if args.quick:
@@ -220,12 +219,8 @@ def plot(records: list[dict], meta: dict, stem: str) -> None:
         ax.minorticks_off()
         ax.set(xlabel="context length (tokens)", ylabel=label)
         ax.set_title(f"{label}, batch {meta['batch']}\n{caption(meta)}", fontsize=9)
-        ax.set_xticks(lengths, [str(x) for x in lengths])
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(f"{stem}_{key}.png", dpi=110)
-        plt.close(fig)
+        finish_axes(ax, lengths)
+        save_figure(fig, f"{stem}_{key}.png")
 
 
 def print_summary(records: list[dict]) -> None:

@@ -169,16 +169,48 @@ def caption(meta: dict) -> str:
     return f"{model}{device}, torch {m['torch']}"
 
 
-def add_out_argument(parser: argparse.ArgumentParser, default: str = "results") -> None:
-    """``--out``: the committed results directory for a full run; ``--quick`` runs default to a new
-    temporary directory, so a trial run never overwrites the measured figures."""
+def add_run_arguments(parser: argparse.ArgumentParser, quick: str, name: str | None = None,
+                      default: str = "results") -> None:
+    """The options every benchmark shares: ``--quick`` (what it shrinks to: ``quick``); ``--out``,
+    the committed results directory for a full run, while ``--quick`` runs default to a new
+    temporary directory, so a trial run never overwrites the measured figures; ``--name``, the
+    stem of the result files (when the benchmark has one, ``name`` by default)."""
+    parser.add_argument("--quick", action="store_true", help=quick)
     parser.add_argument("--out", help=f"directory for the CSV/JSON/PNG results (default: {default}; "
                                       "with --quick, a new temporary directory)")
     parser.set_defaults(default_out=default)
+    if name is not None:
+        parser.add_argument("--name", default=name, help="stem of the result files")
+
+
+def finish_axes(ax, xticks: list, label: Callable[[object], str] = str) -> None:
+    """Explicit x tick labels (a log axis would print powers), a light grid, the legend."""
+    ax.set_xticks(xticks, [label(x) for x in xticks])
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def save_figure(fig, path: str) -> None:
+    """Lay out, write the PNG and release the figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def stop_process(process: subprocess.Popen, seconds: float) -> None:
+    """Terminate ``process`` and wait for it; kill it if it has not exited after ``seconds``."""
+    process.terminate()
+    try:
+        process.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def out_dir(args: argparse.Namespace) -> str:
-    """The directory chosen by ``add_out_argument``'s ``--out`` (created)."""
+    """The directory chosen by ``add_run_arguments``'s ``--out`` (created)."""
     if args.out is None:
         args.out = tempfile.mkdtemp(prefix="flexpage-quick-") if getattr(args, "quick", False) else args.default_out
     os.makedirs(args.out, exist_ok=True)
@@ -220,5 +252,5 @@ def write_records(path_stem: str, records: list[dict], meta: dict) -> None:
         json.dump({"meta": meta, "records": records}, f, indent=2, default=str)
 
 
-__all__ = ["PeakMemory", "Timing", "TokenClock", "add_out_argument", "caption", "compiled_graphs", "interleaved",
-           "machine_info", "matmul_probe_ms", "notebook_results", "out_dir", "time_ms", "write_records"]
+__all__ = ["PeakMemory", "Timing", "TokenClock", "add_run_arguments", "caption", "compiled_graphs", "finish_axes", "interleaved",
+           "machine_info", "matmul_probe_ms", "notebook_results", "out_dir", "save_figure", "stop_process", "time_ms", "write_records"]

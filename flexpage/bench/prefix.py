@@ -28,7 +28,8 @@ import torch
 
 import flexpage
 from flexpage import zoo
-from flexpage.bench.measure import add_out_argument, caption, machine_info, matmul_probe_ms, out_dir, write_records
+from flexpage.bench.measure import (
+    add_run_arguments, caption, save_figure, machine_info, matmul_probe_ms, out_dir, write_records)
 from flexpage.bench.throughput import fixed_length_model, percentile, run_continuous, run_padded
 
 
@@ -65,8 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine-batch", type=int, default=32)
     parser.add_argument("--max-cached-tokens", type=int, default=65536)
     parser.add_argument("--stock-batch", type=int, default=8)
-    parser.add_argument("--quick", action="store_true", help="llama-tiny, 128-token prefix, 6 and 4 requests")
-    add_out_argument(parser)
+    add_run_arguments(parser, "llama-tiny, 128-token prefix, 6 and 4 requests")
     args = parser.parse_args(argv)
     args.model = zoo.chosen_model(args)
     if args.quick:
@@ -138,9 +138,7 @@ def plot(records: list[dict], meta: dict, stem: str) -> None:
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle(f"shared prefixes, {meta['new_tokens']} new tokens per request — {caption(meta)}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(f"{stem}.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, f"{stem}.png")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ import openai
 from tqdm import tqdm
 
 from flexpage import zoo
-from flexpage.bench.measure import add_out_argument, caption, machine_info, out_dir, write_records
+from flexpage.bench.measure import (
+    add_run_arguments, caption, finish_axes, machine_info, out_dir, save_figure, stop_process, write_records)
 
 SERVERS = ("flexpage", "transformers")
 
@@ -161,11 +162,7 @@ async def load_server(kind: str, model_dir: str, args: argparse.Namespace, promp
             bar.set_postfix_str(f"{kind} {mode}={value}: {rows[-1]['output_tokens_per_s']} tok/s")
             bar.update()
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop_process(process, 30)
         log.close()
     return rows
 
@@ -184,9 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--point-timeout", type=float, default=600, help="seconds a request may take")
     parser.add_argument("--start-timeout", type=float, default=900, help="seconds a server may take to start")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="llama-tiny, 6 requests per point, 2 rates, 1 concurrency")
-    add_out_argument(parser)
-    parser.add_argument("--name", default="serve", help="stem of the result files")
+    add_run_arguments(parser, "llama-tiny, 6 requests per point, 2 rates, 1 concurrency", "serve")
     args = parser.parse_args(argv)
     args.model = zoo.chosen_model(args)
     if args.quick:
@@ -243,10 +238,6 @@ def plot(rows: list[dict], meta: dict, stem: str) -> None:
         ax.set_xscale("log", base=2)
         ax.minorticks_off()
         rates = sorted({r["value"] for r in rows if r["mode"] == "rate"})
-        ax.set_xticks(rates, [f"{x:g}" for x in rates])
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        finish_axes(ax, rates, "{:g}".format)
     fig.suptitle(f"serving, {meta['input_len']} in / {meta['output_len']} out tokens — {caption(meta)}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(f"{stem}.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, f"{stem}.png")

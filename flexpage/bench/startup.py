@@ -20,7 +20,7 @@ import sys
 import tempfile
 
 from flexpage import zoo
-from flexpage.bench.measure import add_out_argument, machine_info, out_dir, write_records
+from flexpage.bench.measure import add_run_arguments, machine_info, out_dir, write_records
 
 CONFIGS = ("stock", "wrap", "engine")
 # What one child process runs: build the model, then time to the first token of a 300-token prompt.
@@ -64,9 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     zoo.add_model_argument(parser)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     parser.add_argument("--engine-batch", type=int, default=32, help="Engine max_batch_size (its decode shapes)")
-    parser.add_argument("--quick", action="store_true", help="llama-tiny, stock and wrap only")
-    add_out_argument(parser)
-    parser.add_argument("--name", default="startup", help="stem of the result files")
+    add_run_arguments(parser, "llama-tiny, stock and wrap only", "startup")
     args = parser.parse_args(argv)
     args.model = zoo.chosen_model(args)
     if args.quick:

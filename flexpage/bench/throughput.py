@@ -38,7 +38,9 @@ from transformers import GenerationConfig, LogitsProcessorList
 
 import flexpage
 from flexpage import zoo
-from flexpage.bench.measure import TokenClock, add_out_argument, caption, machine_info, matmul_probe_ms, out_dir, write_records
+from flexpage.bench.measure import (
+    TokenClock, add_run_arguments, caption, finish_axes, save_figure, machine_info, matmul_probe_ms, out_dir,
+    write_records)
 
 
 def make_workload(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int, seed: int):
@@ -153,9 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--probe-tolerance", type=float, default=1.5,
                         help="re-run a cell whose matmul probe after it is this much slower than the best probe")
-    parser.add_argument("--quick", action="store_true", help="llama-tiny, 8 requests of 16-200 tokens, 4-24 new")
-    add_out_argument(parser)
-    parser.add_argument("--name", default="throughput", help="stem of the result files")
+    add_run_arguments(parser, "llama-tiny, 8 requests of 16-200 tokens, 4-24 new", "throughput")
     args = parser.parse_args(argv)
     args.model = zoo.chosen_model(args)
     if args.quick:
@@ -239,12 +239,8 @@ def plot(records: list[dict], trace: list[dict], meta: dict, stem: str) -> None:
     ax.set_xscale("log", base=2)
     ax.minorticks_off()
     sizes = sorted({r["batch_size"] for r in records if isinstance(r.get("batch_size"), int)})
-    ax.set_xticks(sizes, [str(x) for x in sizes])
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(f"{stem}_vs_batch.png", dpi=110)
-    plt.close(fig)
+    finish_axes(ax, sizes)
+    save_figure(fig, f"{stem}_vs_batch.png")
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot([t["t"] for t in trace], [t["kv_utilisation"] for t in trace], label="KV utilisation (live / reserved)")
@@ -254,9 +250,7 @@ def plot(records: list[dict], trace: list[dict], meta: dict, stem: str) -> None:
     ax.set_title(f"flexpage Engine: the pool over time\n{caption(meta)}", fontsize=9)
     ax2.set_ylabel("pages used")
     fig.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(f"{stem}_kv_utilisation.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, f"{stem}_kv_utilisation.png")
 
 
 if __name__ == "__main__":

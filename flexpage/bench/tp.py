@@ -26,7 +26,7 @@ import torch
 
 import flexpage
 from flexpage import zoo
-from flexpage.bench.measure import TokenClock, add_out_argument, machine_info, out_dir, write_records
+from flexpage.bench.measure import TokenClock, add_run_arguments, machine_info, out_dir, write_records
 
 
 def worker(model_dir: str, tp: int, length: int, new_tokens: int, repeats: int, result: str) -> None:
@@ -67,10 +67,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--length", type=int, default=512, help="prompt tokens")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="llama-tiny, 64-token prompt, 8 new tokens, 1 repeat")
     parser.add_argument("--worker", nargs=2, metavar=("MODEL_DIR", "RESULT"), help=argparse.SUPPRESS)
-    add_out_argument(parser)
-    parser.add_argument("--name", default="tp", help="stem of the result files")
+    add_run_arguments(parser, "llama-tiny, 64-token prompt, 8 new tokens, 1 repeat", "tp")
     args = parser.parse_args(argv)
     if args.quick:
         args.length, args.new_tokens, args.repeats = 64, 8, 1
