@@ -27,7 +27,7 @@ from transformers.generation.logits_process import (
 
 from .attention import sdpa_over_pages
 from .errors import InvalidRequestError, OutOfPagesError, StepFailedError
-from .hf import cache_argument, wrap
+from .hf import wrap
 from .masks import PackedBlockMask
 from .pages import cdiv
 from .parallel import RankSync
@@ -160,7 +160,6 @@ class Engine:
         softcap = getattr(model.config, "attn_logit_softcapping", None)
         self._device = self.model.device  # fixed once the pools are allocated (the property costs ~50 us a call)
         self._lone_decode_eager = sdpa_over_pages(self._device, softcap, 1)  # a lone decode token takes SDPA
-        self._cache_argument = cache_argument(self.model)
         self.warmup_seconds = 0.0
         self._sampling: dict[int, tuple[SamplingParams, torch.Generator | None]] = {}
         self._next_index = 0
@@ -374,7 +373,7 @@ class Engine:
             logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
         )
         start = time.perf_counter()
-        logits = self.model(**inputs, **{self._cache_argument: self.cache}).logits[0]
+        logits = self.model(**inputs, **{self.model._flexpage.cache_argument: self.cache}).logits[0]
         return logits, time.perf_counter() - start
 
     def _decode_len(self, count: int) -> int:

@@ -51,6 +51,7 @@ class _Wrapped:
     stock_implementation: str
     hook: RemovableHandle
     stock_compile_config: CompileConfig | None
+    cache_argument: str  # the forward's name for the KV cache (``cache_argument(model)``)
 
 
 def wrap(
@@ -93,7 +94,7 @@ def wrap(
     _register(stock)
     model.set_attn_implementation(FALLBACKS[stock])
     hook = model.base_model.register_forward_pre_hook(_begin_paged_step, with_kwargs=True)
-    model._flexpage = _Wrapped(cache, stock, hook, model.generation_config.compile_config)
+    model._flexpage = _Wrapped(cache, stock, hook, model.generation_config.compile_config, cache_argument(model))
     if compile_decode:
         for layer in cache.layers:
             layer.is_compileable = True  # transformers compiles decode forwards only for such caches
@@ -192,7 +193,7 @@ def _paged_generate(self: PreTrainedModel, *args: Any, **kwargs: Any) -> Any:
     cache = self._flexpage.cache
     cache.reset()
     try:
-        return type(self).generate(self, *args, **{cache_argument(self): cache}, **kwargs)
+        return type(self).generate(self, *args, **{self._flexpage.cache_argument: cache}, **kwargs)
     finally:
         cache.reset()
 

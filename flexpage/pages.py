@@ -278,7 +278,7 @@ class PageTable:
                     f"a sequence may hold at most {self.max_pages_per_seq} pages "
                     f"({self.max_pages_per_seq * page_size} tokens)"
                 )
-            needed += max(0, total_pages - len(pages)) + self._needs_copy(row, n)
+            needed += self.pages_needed(row, n)
             growth.append((row, n, pages, length, total_pages))
         if needed > self.num_free_pages:
             raise OutOfPagesError(
