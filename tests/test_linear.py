@@ -1,0 +1,79 @@
+"""Few-row linear layers: the same product as F.linear, used only inside paged forwards."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flexpage
+from flexpage import zoo
+from flexpage.linear import MAX_ROWS, few_row_linear
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (2, 64), (3, 5, 64), (1, 8, 64), (MAX_ROWS, 64), (MAX_ROWS + 1, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("out_features", [96, 160])  # 160 >= 2 x 64: a tall weight, one row takes the GEMM too
+def test_few_row_linear_equals_float64_reference(shape, bias, out_features):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g)
+    weight = torch.randn(out_features, 64, generator=g)
+    b = torch.randn(out_features, generator=g) if bias else None
+    out = few_row_linear(x, weight, b)
+    ref = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    assert out.shape == (*shape[:-1], out_features) and out.dtype == torch.float32 and out.is_contiguous()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
+    assert out.view(-1, out_features).shape[0] == x.numel() // 64  # callers reshape the output with view()
+
+
+def test_few_row_linear_takes_non_contiguous_rows():
+    x = torch.randn(32, 40).t()[:, :24]  # 40 rows of 24 features, column-major and sliced
+    assert not x.is_contiguous()
+    weight = torch.randn(16, 24)
+    torch.testing.assert_close(few_row_linear(x, weight, None).double(), F.linear(x.double(), weight.double()),
+                               rtol=1e-5, atol=1e-5)
+
+
+def _recording(model):
+    """Record, at every call of the model's first linear layer, whether the few-row path was on."""
+    seen = []
+    layer = model._flexpage.linears.layers[0]
+    layer.register_forward_hook(lambda *_: seen.append(model._flexpage.linears.active))
+    return seen
+
+
+def test_only_paged_forwards_use_few_row_linears_and_unwrap_restores_the_layers():
+    stock = zoo.build("llama-tiny")
+    model = flexpage.wrap(zoo.build("llama-tiny"))
+    linears = model._flexpage.linears
+    assert len(linears.layers) == sum(type(m) is torch.nn.Linear for m in model.modules()) > 0
+    seen = _recording(model)
+    ids = torch.randint(3, 200, (2, 12))
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert seen and all(seen)  # prefill and decode steps through the paged cache
+    assert torch.equal(out, stock.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                                           do_sample=False, pad_token_id=0))
+    seen.clear()
+    assert torch.equal(model(ids).logits, stock(ids).logits)  # a plain forward: stock, bit for bit
+    assert seen == [False] and not linears.active
+    flexpage.unwrap(model)
+    assert all("forward" not in vars(m) for m in model.modules())
+    assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+def test_flag_is_cleared_when_a_paged_forward_raises():
+    model = flexpage.wrap(zoo.build("llama-tiny"))
+    def fail(*_):
+        raise RuntimeError("layer failed")
+    model.model.layers[-1].register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="layer failed"):
+        model.generate(torch.randint(3, 200, (1, 8)), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert not model._flexpage.linears.active
+
+
+def test_layers_replaced_by_others_are_left_alone_and_the_option_turns_it_off():
+    model = zoo.build("llama-tiny")
+    hooked = model.lm_head
+    hooked.forward = lambda x: F.linear(x, hooked.weight)  # as accelerate's offload hooks do
+    flexpage.wrap(model)
+    assert hooked not in model._flexpage.linears.layers and hooked.forward.__name__ == "<lambda>"
+    off = flexpage.wrap(zoo.build("llama-tiny"), few_row_linears=False)
+    assert off._flexpage.linears is None and all("forward" not in vars(m) for m in off.modules())
