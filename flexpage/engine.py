@@ -131,6 +131,7 @@ class Engine:
     engine on every rank; requests enter on rank 0, which broadcasts them (over ``tp_group``, a
     gloo group by default) so every rank takes the same steps; the other ranks call ``follow()``
     until rank 0 calls ``close()``. ``check_ranks`` compares every step's plan across ranks.
+    ``few_row_linears`` is ``wrap``'s option (CPU linear layers in MKL's fast orientation).
     """
 
     def __init__(
@@ -146,6 +147,7 @@ class Engine:
         warmup: bool = True,
         tp_group: Any = None,
         check_ranks: bool = False,
+        few_row_linears: bool = True,
     ) -> None:
         if max_tokens_per_step < max_batch_size + CHUNK_BLOCK:
             raise ValueError(
@@ -153,7 +155,7 @@ class Engine:
                 f"(max_batch_size={max_batch_size}) and one {CHUNK_BLOCK}-token prefill chunk"
             )
         self.model = wrap(model, page_size=page_size, max_cached_tokens=max_cached_tokens,
-                          max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+                          max_batch_size=max_batch_size, max_seq_len=max_seq_len, few_row_linears=few_row_linears)
         self.cache = model._flexpage.cache
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(self.cache, max_batch_size, max_tokens_per_step, CHUNK_BLOCK, prefix_caching)

@@ -6,7 +6,7 @@ import os
 
 from notebook_runner import run_notebook
 
-CONFIGS = {"flexpage", "flexpage_compiled", "flexpage_engine", "stock_dynamic_sdpa", "stock_flex_attention", "stock_static", "stock_static_compiled",
+CONFIGS = {"flexpage", "flexpage_stock_linears", "flexpage_compiled", "flexpage_engine", "stock_dynamic_sdpa", "stock_flex_attention", "stock_static", "stock_static_compiled",
            "stock_no_cache"}
 COLUMNS = {"ttft_ms", "decode_ms_per_token", "e2e_ms", "peak_mem_mb", "recompiles", "kv_live_bytes",
            "kv_reserved_bytes", "warmup_s"}

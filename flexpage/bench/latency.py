@@ -6,7 +6,8 @@ inter-token time), end-to-end latency, peak extra process memory, KV bytes reser
 and recompiles during the timed calls. The first call of each configuration at each length
 is its warm-up (compiles) and is reported separately, never mixed into the latencies.
 
-Configurations: flexpage (wrap), flexpage_compiled (wrap(compile_decode=True)), flexpage_engine (one request
+Configurations: flexpage (wrap), flexpage_stock_linears (wrap(few_row_linears=False): the model's own
+linear layers), flexpage_compiled (wrap(compile_decode=True)), flexpage_engine (one request
 at a time through an Engine, built and warmed up before timing), stock dynamic cache (sdpa), stock attn_implementation=
 "flex_attention", stock static cache (eager and torch.compile'd), stock use_cache=False
 (dropped at longer lengths once it exceeds --no-cache-budget seconds).
@@ -35,7 +36,7 @@ from flexpage.bench.measure import (
     PeakMemory, TokenClock, add_run_arguments, caption, compiled_graphs, finish_axes, save_figure,
     machine_info, matmul_probe_ms, out_dir, write_records)
 
-CONFIGS = ("flexpage", "flexpage_compiled", "flexpage_engine", "stock_dynamic_sdpa", "stock_flex_attention", "stock_static", "stock_static_compiled",
+CONFIGS = ("flexpage", "flexpage_stock_linears", "flexpage_compiled", "flexpage_engine", "stock_dynamic_sdpa", "stock_flex_attention", "stock_static", "stock_static_compiled",
            "stock_no_cache")
 PAPER_GROWTH = 2.0  # "Paged Attention Meets FlexAttention": ~2x latency from 128 to 2048 tokens
 
@@ -53,6 +54,7 @@ def build_configs(model_name: str, max_len: int, page_size: int, device: str = "
     stock = load()
     per_token = kv_bytes_per_token(stock.config, 4)
     paged = flexpage.wrap(load(), page_size=page_size, max_cached_tokens=max_len)
+    paged_stock_linears = flexpage.wrap(load(), page_size=page_size, max_cached_tokens=max_len, few_row_linears=False)
     compiled_paged = flexpage.wrap(load(), page_size=page_size, max_cached_tokens=max_len, compile_decode=True)
     pool_bytes = sum(layer.keys.numel() * 2 * layer.keys.element_size() for layer in paged._flexpage.cache.layers)
     engine = flexpage.Engine(load(), page_size=page_size, max_cached_tokens=max_len,
@@ -62,6 +64,7 @@ def build_configs(model_name: str, max_len: int, page_size: int, device: str = "
     compiled._compile_all_devices = True  # transformers only auto-compiles on accelerators otherwise
     return {
         "flexpage": (paged, {}, lambda n: pool_bytes),
+        "flexpage_stock_linears": (paged_stock_linears, {}, lambda n: pool_bytes),
         "flexpage_compiled": (compiled_paged, {}, lambda n: pool_bytes),
         "flexpage_engine": (engine, {}, lambda n: pool_bytes),
         "stock_dynamic_sdpa": (stock, {}, lambda n: n * per_token),

@@ -13,7 +13,9 @@ Reported per configuration: generated tokens/s, requests/s, time to first token 
 (from the run's start: every request arrives at once), KV utilisation (live / reserved
 slots, averaged over steps), peak pages, preemptions. The Engine runs the workload twice
 and reports both: the engine compiles every step shape when it is built (``warmup_s``), so
-its first run is served without compiling (``flexpage_engine_first_run``). Stock configurations get a short warm-up call. A small matmul probe runs between
+its first run is served without compiling (``flexpage_engine_first_run``). A second engine
+built with ``few_row_linears=False`` (``flexpage_engine_stock_linears``) runs the model's own
+linear layers, so the ratio shows what the paged batching gives alone. Stock configurations get a short warm-up call. A small matmul probe runs between
 cells; a cell whose probe after it is ``--probe-tolerance`` x slower than the best probe seen
 ran during one of these VMs' slow spells and is run again (twice at most; ``remeasured``).
 
@@ -163,11 +165,16 @@ def main(argv: list[str] | None = None) -> None:
         args.batch_sizes, args.engine_batch, args.max_tokens_per_step, args.max_cached_tokens = [1, 4], 8, 128, 4096
 
     stock, paged = fixed_length_model(args.model, args.device), fixed_length_model(args.model, args.device)
+    paged_stock_linears = fixed_length_model(args.model, args.device)
     prompts, outputs = make_workload(args.requests, args.prompt_range, args.output_range, stock.config.vocab_size,
                                      args.seed)
     engine = flexpage.Engine(paged, page_size=args.page_size, max_cached_tokens=args.max_cached_tokens,
                              max_batch_size=args.engine_batch, max_tokens_per_step=args.max_tokens_per_step)
     warmup = engine.stats().warmup_seconds  # every step shape, compiled when the engine was built
+    # the same engine with the model's own linear layers: how much of the ratio few-row linears give
+    engine_stock_linears = flexpage.Engine(
+        paged_stock_linears, page_size=args.page_size, max_cached_tokens=args.max_cached_tokens,
+        max_batch_size=args.engine_batch, max_tokens_per_step=args.max_tokens_per_step, few_row_linears=False)
     stock.generate(torch.tensor([prompts[0][:16]], device=stock.device), max_new_tokens=2, pad_token_id=0)  # warm-up
     first_run, _ = run_engine(engine, prompts, outputs, "flexpage_engine_first_run")
 
@@ -188,6 +195,8 @@ def main(argv: list[str] | None = None) -> None:
     record, trace = measured(lambda: run_engine(engine, prompts, outputs))
     record["warmup_s"] = round(warmup, 2)
     records += [record, first_run]
+    records.append(measured(lambda: run_engine(engine_stock_linears, prompts, outputs,
+                                               "flexpage_engine_stock_linears"))[0])
     for batch_size in args.batch_sizes:
         records.append(measured(lambda b=batch_size: run_padded(stock, prompts, outputs, b)))
     try:
