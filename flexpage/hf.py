@@ -76,11 +76,12 @@ def wrap(
     transformers' own ``CompileConfig``, on every device, with inductor's weight freezing):
     the pools never change shape, so that one graph serves every context length. Compiled
     matmuls round differently from eager ones, so greedy tokens match the stock model only
-    up to near-ties of the logits; the default path matches it exactly.
+    up to near-ties of the logits; on the default path they have matched it in every test.
 
     ``few_row_linears`` (the default) computes the linear layers of paged forwards on the CPU
-    as ``(W @ x.T).T`` when they get 2-256 rows, which MKL runs 1.3-3x faster than
-    ``x @ W.T`` (``flexpage.linear``); the model's plain forwards are untouched.
+    as ``(W @ x.T).T`` when they get 1-256 rows, which MKL runs up to 3x faster than
+    ``x @ W.T`` (``flexpage.linear``; last-bit differences, as paged attention has); the
+    model's plain forwards are untouched.
     """
     if getattr(model, "_flexpage", None) is not None:
         unwrap(model)

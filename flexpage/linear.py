@@ -5,7 +5,9 @@ weight. On the x86 CPUs this project runs on (MKL, float32) ``x @ W.T`` over 2-1
 1.3-3x the same product taken as ``(W @ x.T).T``: MKL handles a GEMM with few columns well and
 one with few rows badly (measured per weight shape of ``llama-small``: 2 rows 0.44 -> 0.20 ms
 for 1536x512, 12.5 -> 3.8 ms for the 32000x512 LM head; bit-identical from ~32 rows on, where
-both reach the same kernel; a decode step of 8 sequences at 1024 tokens: 65-74 -> 49 ms). ``FewRowLinears`` switches a model's ``nn.Linear`` layers to that
+both reach the same kernel; a decode step of 8 sequences at 1024 tokens: 65-74 -> 49 ms).
+Below 32 rows the results differ from ``F.linear``'s in the last bits, as paged attention's
+already do from SDPA's. ``FewRowLinears`` switches a model's ``nn.Linear`` layers to that
 orientation for forwards through a paged cache only (a flag set by a hook on the model), so a
 wrapped model's plain forward (scoring, training) stays bit-for-bit the stock one.
 """
