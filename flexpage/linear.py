@@ -43,9 +43,9 @@ def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 class FewRowLinears:
     """Route ``model``'s plain ``nn.Linear`` layers through ``few_row_linear`` during the
-    forwards ``is_paged(kwargs)`` accepts. Layers whose ``forward`` is already replaced on the
-    instance (accelerate's offload hooks) and tensor-parallel (DTensor) weights are left alone;
-    so are compiled forwards (inductor chooses its own GEMMs)."""
+    forwards ``is_paged(kwargs)`` accepts. Layers off the CPU, layers whose ``forward`` is
+    already replaced on the instance (accelerate's offload hooks) and tensor-parallel (DTensor)
+    weights are left alone; so are compiled forwards (inductor chooses its own GEMMs)."""
 
     def __init__(self, model: nn.Module, is_paged: Callable[[dict], bool]) -> None:
         self.active = False
@@ -53,6 +53,7 @@ class FewRowLinears:
         self.layers = [
             module for module in model.modules()
             if type(module) is nn.Linear and "forward" not in vars(module) and type(module.weight) is nn.Parameter
+            and module.weight.device.type == "cpu"  # elsewhere the layer keeps its own forward (no per-call cost)
         ]
         for layer in self.layers:
             layer.forward = types.MethodType(self._forward, layer)

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import flexpage
 from flexpage import zoo
-from flexpage.linear import MAX_ROWS, few_row_linear
+from flexpage.linear import MAX_ROWS, FewRowLinears, few_row_linear
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (2, 64), (3, 5, 64), (1, 8, 64), (MAX_ROWS, 64), (MAX_ROWS + 1, 64)])
@@ -77,3 +77,6 @@ def test_layers_replaced_by_others_are_left_alone_and_the_option_turns_it_off():
     assert hooked not in model._flexpage.linears.layers and hooked.forward.__name__ == "<lambda>"
     off = flexpage.wrap(zoo.build("llama-tiny"), few_row_linears=False)
     assert off._flexpage.linears is None and all("forward" not in vars(m) for m in off.modules())
+    elsewhere, here = torch.nn.Linear(4, 4, device="meta"), torch.nn.Linear(4, 4)  # off the CPU: left alone
+    assert FewRowLinears(torch.nn.Sequential(elsewhere, here), lambda kwargs: True).layers == [here]
+    assert "forward" not in vars(elsewhere)
