@@ -240,16 +240,21 @@ def paged_step_mask(cache: PagedKVCache, inputs: torch.Tensor, attention_mask: t
     return PagedBlockMask.for_step(cache.page_table, plan, lazy=not cache.is_compileable)
 
 
+def _paged_cache(kwargs: dict) -> PagedKVCache | None:
+    """The PagedKVCache a forward's keyword arguments carry (under either name), if any."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    return cache if isinstance(cache, PagedKVCache) else None
+
+
 def _is_paged_call(kwargs: dict) -> bool:
-    """Whether a forward's keyword arguments carry a PagedKVCache (under either name)."""
-    return isinstance(kwargs.get("cache", kwargs.get("past_key_values")), PagedKVCache)
+    return _paged_cache(kwargs) is not None
 
 
 def _begin_paged_step(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """Forward pre-hook of the decoder: a forward whose cache is a PagedKVCache runs paged."""
-    if not _is_paged_call(kwargs) or isinstance(kwargs.get("attention_mask"), (PagedBlockMask, PackedBlockMask)):
+    cache = _paged_cache(kwargs)
+    if cache is None or isinstance(kwargs.get("attention_mask"), (PagedBlockMask, PackedBlockMask)):
         return None  # not a paged call (the stock path runs untouched), or generate began the step already
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
     inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
     if inputs is None and args:
         inputs = args[0]
@@ -261,8 +266,8 @@ def _paged_prepare_inputs(self: PreTrainedModel, *args: Any, **kwargs: Any) -> d
     """``prepare_inputs_for_generation`` on a wrapped model: the step begins here, before the
     forward, so a compiled decode forward contains no host-side page bookkeeping."""
     inputs = type(self).prepare_inputs_for_generation(self, *args, **kwargs)
-    cache = inputs.get("cache", inputs.get("past_key_values"))
-    if isinstance(cache, PagedKVCache):
+    cache = _paged_cache(inputs)
+    if cache is not None:
         tokens = inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs.get("inputs_embeds")
         # the generation-level 2-D padding mask (transformers may have expanded the forward's to 4-D)
         inputs["attention_mask"] = paged_step_mask(cache, tokens, kwargs.get("attention_mask"))
