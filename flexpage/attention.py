@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from .compile import compile_static
 from .masks import PackedBlockMask, ScoreMod, SequenceKV
 from .pages import StepPlan
 
@@ -40,14 +41,7 @@ def kernel_options(query: Tensor, block_size: tuple[int, int]) -> dict | None:
 # state apart from other compiled callers of flex_attention in the process (transformers'
 # "flex_attention" implementation): otherwise their shape changes turn on dynamic shapes
 # for both, which inductor's CPU template fails to compile.
-_compiled_flex_attention = torch.compile(_flex_attention, dynamic=False, fullgraph=True)
-# Each (batch, q_len, heads, pool, page size, mods) combination is its own static graph of
-# that one code object: the Engine's region buckets alone are 8 per attention variant, and a
-# process may serve several models and pools. Dynamo's default limits (8 graphs per code
-# object, 256 in all) are too few for that, so we raise them (never lower them). A cache hit
-# moves its graph to the front of dynamo's list, so hot graphs stay cheap to find.
-torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 1024)
+_compiled_flex_attention = compile_static(_flex_attention)
 
 
 def paged_attention(

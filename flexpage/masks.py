@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
+from .compile import compile_static
 from .pages import PackedPlan, PageTable, StepPlan, cdiv
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -308,7 +309,7 @@ def _build(page_table: PageTable, plan: StepPlan | DecodeRows, mask_mod: MaskMod
     )
 
 
-@torch.compile(dynamic=False, fullgraph=True)
+@compile_static
 def _block_metadata(
     table: Tensor,
     rows: Tensor,

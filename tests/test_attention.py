@@ -7,6 +7,8 @@ pool, and the chunk offsets. Batch rows are deliberately not 0..B-1.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -15,6 +17,7 @@ from reference import GARBAGE, make_cache, reference_attention, write_step
 
 import flexpage
 from flexpage import masks
+from flexpage.compile import compile_static
 
 ROWS = [3, 7, 1]  # active batch rows that are not 0..B-1
 HEAD_DIM = 32
@@ -243,3 +246,23 @@ def test_fresh_prefill_without_padding_is_plain_causal_attention():
     query = torch.randn(1, 8, 100, HEAD_DIM)
     ref = reference_attention(query[0], k, v, torch.arange(100), 0)
     assert (flexpage.fresh_prefill_attention(query, kp, vp, plan)[0] - ref).abs().max() <= 1e-5
+
+
+def test_compiled_kernels_keep_their_graph_limit_on_other_threads():
+    """Since torch 2.12 dynamo's config is per thread: an Engine built or stepped on a thread other
+    than the one that imported flexpage must still get more than dynamo's default 8 graphs."""
+    double = compile_static(lambda x: x * 2)
+    errors = []
+
+    def shapes() -> None:
+        try:
+            for n in range(1, 11):
+                x = torch.arange(float(n))
+                assert torch.equal(double(x), x * 2)
+        except BaseException as error:  # reported on the test's thread
+            errors.append(error)
+
+    worker = threading.Thread(target=shapes)
+    worker.start()
+    worker.join()
+    assert errors == []

@@ -7,6 +7,7 @@ import asyncio
 import http.client
 import json
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -22,6 +23,7 @@ import uvicorn
 import flexpage
 from flexpage import zoo
 from flexpage.serve import build_app
+from flexpage.serve.cli import serve
 from http_helpers import fetch, free_socket, running_server, wait_until
 
 MODEL = "llama-tiny"
@@ -301,6 +303,39 @@ def test_readme_client_examples_run_as_written(served):
     assert json.loads(done.stdout)["choices"][0]["finish_reason"] in ("stop", "length")
     (client,) = re.findall(r"```python openai-client\n(.*?)```", readme, re.S)
     exec(compile(client.replace("127.0.0.1:8000", here), "README.md openai client", "exec"), {})
+
+
+def test_serve_steps_the_engine_on_the_calling_thread_and_stops_on_sigint(stock):
+    """``flexpage serve``'s loop: HTTP on a helper thread, every engine step on the caller's thread
+    (on CPU the one that built the model: a second OpenMP team slows every op); SIGINT stops both
+    gracefully and the previous signal handlers come back."""
+    engine = flexpage.Engine(zoo.build(MODEL), page_size=16, max_cached_tokens=2048, max_batch_size=8,
+                             max_tokens_per_step=128)
+    stepped_on = set()
+    step = engine.step
+    engine.step = lambda: stepped_on.add(threading.current_thread()) or step()
+    app = build_app(engine, zoo.load_tokenizer(MODEL), MODEL, engine_thread=False)
+    sock = free_socket()
+    port = sock.getsockname()[1]
+    sock.close()  # uvicorn binds it next
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    ids, answers = prompt_ids(20, seed=5), []
+
+    def client() -> None:
+        try:
+            wait_until(lambda: server.started, 60)
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+            answers.append(client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0))
+        finally:
+            signal.raise_signal(signal.SIGINT)
+
+    before = signal.getsignal(signal.SIGINT)
+    threading.Thread(target=client, daemon=True).start()
+    assert serve(server, app.state.server.runner)
+    assert stepped_on == {threading.current_thread()}
+    assert answers[0].choices[0].text == zoo.load_tokenizer(MODEL).decode(stock_greedy(stock, ids, 8),
+                                                                          skip_special_tokens=True)
+    assert signal.getsignal(signal.SIGINT) is before and not engine.scheduler.has_work
 
 
 def test_flexpage_serve_command(tmp_path):

@@ -226,13 +226,17 @@ async def unless_disconnected(request: Request, work) -> Any:
     return task.result()
 
 
-def build_app(engine: Engine, tokenizer: Any, model_name: str, max_waiting: int = 256) -> FastAPI:
-    """A FastAPI app serving ``engine``; its engine thread starts and stops with the app."""
+def build_app(engine: Engine, tokenizer: Any, model_name: str, max_waiting: int = 256,
+              engine_thread: bool = True) -> FastAPI:
+    """A FastAPI app serving ``engine``. With ``engine_thread`` the engine steps on a thread of its
+    own that starts and stops with the app; without, the caller steps it on a thread it chooses
+    with ``app.state.server.runner.run()``, which returns when the app stops."""
     server = Server(engine, tokenizer, model_name, max_waiting)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        server.runner.start()
+        if engine_thread:
+            server.runner.start()
         yield
         server.runner.stop()
 

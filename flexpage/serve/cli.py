@@ -14,12 +14,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
+from typing import TYPE_CHECKING
 
 import torch
 
 from .. import zoo
 from ..engine import Engine
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from .runner import EngineRunner
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -57,5 +65,35 @@ def main(argv: list[str] | None = None) -> None:
     if engine.ranks is not None and not engine.ranks.leader:
         engine.follow()  # until rank 0's server stops
         return
-    app = build_app(engine, zoo.load_tokenizer(args.model), args.served_model_name or args.model, args.max_waiting)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    app = build_app(engine, zoo.load_tokenizer(args.model), args.served_model_name or args.model, args.max_waiting,
+                    engine_thread=False)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+    if not serve(server, app.state.server.runner):
+        sys.exit(1)
+
+
+def serve(server: uvicorn.Server, runner: EngineRunner) -> bool:
+    """Run ``server`` (HTTP) on a helper thread and step the engine here, on the main thread that
+    built the model and warmed the engine up (see ``runner.py`` on CPU threads); SIGINT / SIGTERM
+    stop both gracefully (a second one forces HTTP's exit). Returns whether the server started."""
+
+    def handle_exit(*_) -> None:
+        server.force_exit = server.should_exit
+        server.should_exit = True
+
+    def http() -> None:
+        try:
+            server.run()
+        finally:
+            runner.stop()  # also when uvicorn could not start (a port in use)
+
+    previous = {sig: signal.signal(sig, handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        thread = threading.Thread(target=http, name="flexpage-http")
+        thread.start()
+        runner.run()  # returns when HTTP stops, or when the engine fails (HTTP then answers 503 until stopped)
+        thread.join()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return server.started

@@ -3,6 +3,12 @@
 Handlers ``submit`` a request and read its ``Output`` events from an asyncio queue; each step's
 tokens are put on their requests' queues (thread-safely, on the event loop) as soon as the step
 ends. Nothing on the event loop ever blocks on the engine.
+
+On CPU the engine is best stepped on the thread that did the process's other torch work (built
+the model, warmed the engine up): OpenMP keeps a worker team per thread that computes, and once
+two teams exist on a few cores its workers stop spinning between parallel regions, so every
+op waits for a woken worker (a decode step of the benchmark model took 1.4x as long on a second
+thread). ``flexpage serve`` therefore runs the engine on its main thread and HTTP on another.
 """
 
 from __future__ import annotations
@@ -64,19 +70,31 @@ class EngineRunner:
         self._owners: dict[int, tuple[Request, asyncio.AbstractEventLoop]] = {}
         self._last_token: dict[int, float] = {}
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="flexpage-engine", daemon=True)
+        self._stopped = False
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        """Step the engine on a daemon thread of its own (see the module's note on CPU threads)."""
+        self._thread = threading.Thread(target=self.run, name="flexpage-engine", daemon=True)
         self._thread.start()
 
+    def run(self) -> None:
+        """Step the engine on the calling thread until ``stop()``; requests submitted earlier wait."""
+        try:
+            self._loop()
+        finally:
+            self._stopped = True
+
     def stop(self) -> None:
+        """Make ``run`` return (after the step in flight); wait for the engine's own thread, if any."""
         self._stopping.set()
         self._inbox.put(None)
-        self._thread.join(timeout=30)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
 
     @property
     def healthy(self) -> bool:
-        return self.failure is None and self._thread.is_alive()
+        return self.failure is None and not self._stopped
 
     async def submit(self, prompt: list[int], params: SamplingParams, events: asyncio.Queue,
                      offset: int = 0) -> Request:
