@@ -9,7 +9,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from .compile import compile_static
 from .masks import PackedBlockMask, ScoreMod, SequenceKV
-from .pages import StepPlan
+from .pages import StepPlan, cdiv
 
 
 def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options):
@@ -154,10 +154,10 @@ def packed_attention(
     Each region is one compiled FlexAttention call: the decode tokens as a batch of one-token
     rows (``[n, Hq, 1, D]``, each row listing its own pages, as a ``generate()`` decode step),
     the prefill chunks in blocks of ``chunk_block`` tokens.
-    A region holding a single sequence's tokens (a lone decode token, a lone chunk) is
-    attended by SDPA over that sequence's pages instead where that is the faster kernel
-    (``sdpa_over_pages``). ``window`` and ``cap`` select the layer's variant (sliding window,
-    logit soft-cap). Returns ``[1, Hq, T, Dv]``.
+    Where SDPA over a sequence's pages is the faster kernel (``sdpa_over_pages``), a lone
+    decode token, and each prefill chunk in a call of its own, are attended that way instead.
+    ``window`` and ``cap`` select the layer's variant (sliding window, logit soft-cap).
+    Returns ``[1, Hq, T, Dv]``.
     """
     plan = block_mask.plan
     if query.shape[0] != 1 or query.dim() != 4 or query.shape[2] != plan.q_len:
@@ -172,28 +172,30 @@ def packed_attention(
         rows = query[0, :, :n].transpose(0, 1)[:, :, None].contiguous()
         out = paged_attention(rows, key_pool, value_pool, mask, score_mod, scale)
         outputs.append(out[:, :, 0].transpose(0, 1)[None])
-    if plan.q_len > plan.decode_len and sdpa_over_pages(query.device, cap, len(plan.chunks)):
-        n = plan.chunks[0][1]
-        chunk = query[:, :, plan.decode_len : plan.decode_len + n]
-        outputs.append(sequence_attention(chunk, key_pool, value_pool, block_mask.chunk_kv(window), scale))
-        if plan.decode_len + n < plan.q_len:  # the region's padding: its outputs are never read
-            outputs.append(query.new_zeros(1, query.shape[1], plan.q_len - plan.decode_len - n, value_pool.shape[-1]))
+    if plan.q_len > plan.decode_len and sdpa_over_pages(query.device, cap, 1):  # one SDPA call per chunk
+        region = query.new_zeros(1, query.shape[1], plan.q_len - plan.decode_len, value_pool.shape[-1])
+        start = 0  # padding positions keep zeros: their outputs are never read
+        for (_, n), kv in zip(plan.chunks, block_mask.chunk_kvs(window)):
+            chunk = query[:, :, plan.decode_len + start : plan.decode_len + start + n]
+            region[:, :, start : start + n] = sequence_attention(chunk, key_pool, value_pool, kv, scale)
+            start += cdiv(n, plan.chunk_block) * plan.chunk_block
+        outputs.append(region)
     elif plan.q_len > plan.decode_len:
         outputs.append(_region_attention(query, key_pool, value_pool, block_mask.region("chunk", window, cap), scale))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
 
 def sdpa_over_pages(device: torch.device, cap: float | None, sequences: int) -> bool:
-    """Whether queries of ``sequences`` sequences are attended by SDPA over the pages
-    (``sequence_attention``) instead of FlexAttention: on CPU, eagerly, for a lone sequence of
-    a layer without a score mod (SDPA has none).
+    """Whether a call holding ``sequences`` sequences' queries is attended by SDPA over the
+    pages (``sequence_attention``) instead of FlexAttention: on CPU, eagerly, for a lone
+    sequence of a layer without a score mod (SDPA has none). Prefill chunks take one call each.
 
     Measured on CPU (one layer, small-Llama heads): for one decode token SDPA is about 2x
     faster than the FlexAttention template and skips the compiled call's per-call dispatch,
     which at batch 1 costs as much as the attention; a 512-token chunk after 1024 cached
-    tokens takes FlexAttention 2.6x SDPA's time. From two sequences up, gathering every
+    tokens takes FlexAttention 2.6x SDPA's time. For a batch of decode tokens, gathering every
     sequence's keys to a common width costs 1.2-5x the FlexAttention call, which reads each
-    sequence's own pages.
+    sequence's own pages, and a call per token would multiply the dispatch.
     """
     return sequences == 1 and cap is None and device.type == "cpu" and not torch.compiler.is_compiling()
 

@@ -161,7 +161,8 @@ class Engine:
         self.scheduler = Scheduler(self.cache, max_batch_size, max_tokens_per_step, CHUNK_BLOCK, prefix_caching)
         softcap = getattr(model.config, "attn_logit_softcapping", None)
         self._device = self.model.device  # fixed once the pools are allocated (the property costs ~50 us a call)
-        self._lone_decode_eager = sdpa_over_pages(self._device, softcap, 1)  # a lone decode token takes SDPA
+        # a lone decode token and each prefill chunk take SDPA over their pages: they compile nothing
+        self._sdpa = sdpa_over_pages(self._device, softcap, 1)
         self.warmup_seconds = 0.0
         self._sampling: dict[int, tuple[SamplingParams, torch.Generator | None]] = {}
         self._next_index = 0
@@ -313,7 +314,7 @@ class Engine:
             return []
         decode_len = self._decode_len(len(batch.decode))
         aligned = sum(cdiv(n, CHUNK_BLOCK) * CHUNK_BLOCK for _, n in batch.chunks)
-        chunk_len = _bucket(aligned, MIN_CHUNK_REGION) if aligned else 0
+        chunk_len = aligned if self._sdpa or not aligned else _bucket(aligned, MIN_CHUNK_REGION)  # buckets: graphs
         plan = self.cache.begin_packed_step(
             [s.row for s in batch.decode], [(s.row, n) for s, n in batch.chunks], decode_len, chunk_len, CHUNK_BLOCK
         )
@@ -382,23 +383,21 @@ class Engine:
         """The decode region's size: a lone decode token attended eagerly takes one position
         (nothing compiled depends on it), else a power of two >= 2, so compiled graphs are few
         and a small batch is never padded to much more than itself."""
-        if count == 0 or count == 1 and self._lone_decode_eager:
+        if count == 0 or count == 1 and self._sdpa:
             return count
         return _bucket(count, 2)
 
     def step_shapes(self) -> list[tuple[int, int]]:
         """Every ``(decode_len, chunk_len)`` region size a step can have that compiles a graph:
-        each chunk-region bucket and each decode-region bucket (a lone sequence's region,
-        attended by SDPA on CPU, compiles nothing)."""
-        chunks, n = [], MIN_CHUNK_REGION
-        while n < self.scheduler.max_tokens_per_step:
-            chunks.append(n)
-            n *= 2
-        chunks.append(n)
-        first = 2 if self._lone_decode_eager else 1
+        each chunk-region bucket and each decode-region bucket. Where SDPA attends a lone decode
+        token and the prefill chunks (CPU), those regions compile nothing and have no buckets."""
+        chunks = []
+        if not self._sdpa:
+            chunks.append(MIN_CHUNK_REGION)
+            while chunks[-1] < self.scheduler.max_tokens_per_step:
+                chunks.append(chunks[-1] * 2)
+        first = 2 if self._sdpa else 1
         decodes = sorted({self._decode_len(k) for k in range(first, self.scheduler.max_batch_size + 1)})
-        if self.scheduler.max_batch_size == 1 and self._lone_decode_eager:
-            chunks = []  # one sequence at a time: every region is a lone sequence's, attended by SDPA
         return [(0, c) for c in chunks] + [(d, 0) for d in decodes]
 
     @torch.inference_mode()
@@ -533,7 +532,7 @@ class Engine:
         stats = self.cache.stats()
         self._steps += 1
         self._attention_calls += (decode_len > 0) + (chunk_len > 0)
-        compiled = (("decode", 0 if decode_len == 1 and self._lone_decode_eager else decode_len), ("chunk", chunk_len))
+        compiled = (("decode", 0 if decode_len == 1 and self._sdpa else decode_len), ("chunk", 0 if self._sdpa else chunk_len))
         self._shapes.update(shape for shape in compiled if shape[1])
         self._peak_pages = max(self._peak_pages, stats.pages_used)
         self._utilisation_sum += stats.utilisation

@@ -397,9 +397,8 @@ class PackedBlockMask(_StepMask):
     rows (``DecodeRows``) each listing its own pages, chunk blocks listing their row's pages
     with those wholly before the block as full blocks. Every query block is 16 tokens or more
     (a decode row's one query sits in a block of ``Q_BLOCK_SIZE``), as the GPU kernels require.
-    On CPU a region holding one sequence's tokens (a lone decode token, a lone prefill chunk)
-    is attended by SDPA over that sequence's pages instead (``decode_kv``, ``chunk_kv``), and
-    never builds block metadata.
+    On CPU a lone decode token, and each prefill chunk, is attended by SDPA over its sequence's
+    pages instead (``decode_kv``, ``chunk_kvs``), and such a region builds no block metadata.
     """
 
     plan: PackedPlan
@@ -440,11 +439,11 @@ class PackedBlockMask(_StepMask):
         (row,) = self.plan.decode_rows
         return self._variant(("decode_kv", window), lambda: SequenceKV.for_row(self.page_table, row, window))
 
-    def chunk_kv(self, window: int | None = None) -> SequenceKV:
-        """The keys of the lone prefill chunk's sequence and its causal mask, for SDPA."""
-        ((row, num_tokens),) = self.plan.chunks
-        return self._variant(("chunk_kv", window),
-                             lambda: SequenceKV.for_row(self.page_table, row, window, num_tokens))
+    def chunk_kvs(self, window: int | None = None) -> list[SequenceKV]:
+        """The keys of each prefill chunk's sequence and the chunk's causal mask, for one SDPA
+        call per chunk."""
+        return self._variant(("chunk_kvs", window), lambda: [
+            SequenceKV.for_row(self.page_table, row, window, num_tokens) for row, num_tokens in self.plan.chunks])
 
 
 def _region_mask(page_table: PageTable, plan: PackedPlan, start: int, end: int, q_block: int,
