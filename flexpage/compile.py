@@ -10,11 +10,11 @@ import torch
 F = TypeVar("F", bound=Callable)
 
 # Each (batch, q_len, heads, pool, page size, mods) combination is its own static graph of one
-# code object: the Engine's region buckets alone are 8 per attention variant, and a process may
-# serve several models and pools. Dynamo's default (8 graphs per code object) is too few. Since
-# torch 2.12 dynamo's config is per thread (an assignment at import reaches only the importing
-# thread, and an Engine built or stepped on another would fail on its 9th shape), so the limit goes
-# on each compiled function where ``torch.compile`` takes one, and on the config before that.
+# code object: the Engine's region buckets alone reach 9 per attention variant off CPU, and a
+# process may serve several models and pools. Dynamo's default (8 graphs per code object) is too
+# few. Since torch 2.12 dynamo's config is per thread: an assignment at import reaches only the
+# importing thread, and an Engine built or stepped on another failed on its 9th shape. So the
+# limit goes on each compiled function where ``torch.compile`` takes one (on the config before).
 RECOMPILE_LIMIT = 256
 _PER_FUNCTION = "recompile_limit" in inspect.signature(torch.compile).parameters
 if not _PER_FUNCTION:
