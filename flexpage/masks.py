@@ -97,10 +97,16 @@ def metadata_width(page_table: PageTable) -> int:
     return page_table.max_pages_per_seq
 
 
-def _logical_kv(page_table: PageTable, kv_idx: Tensor) -> tuple[Tensor, Tensor]:
-    page_size = page_table.page_size
-    logical_page = page_table.page_logical[kv_idx // page_size]
-    return logical_page, logical_page * page_size + kv_idx % page_size
+def _logical_kv(page_table: PageTable) -> Callable[[Tensor], tuple[Tensor, Tensor]]:
+    """``kv_idx`` (a pool slot) -> (its logical page, its logical position). The mods capture
+    this, not the PageTable: a compiled kernel's signature covers what its mods capture."""
+    page_logical, page_size = page_table.page_logical, page_table.page_size
+
+    def logical_kv(kv_idx: Tensor) -> tuple[Tensor, Tensor]:
+        logical_page = page_logical[kv_idx // page_size]
+        return logical_page, logical_page * page_size + kv_idx % page_size
+
+    return logical_kv
 
 
 def paged_mask_mod(page_table: PageTable, plan: StepPlan | DecodeRows, mask_mod: MaskMod | None = None
@@ -108,10 +114,10 @@ def paged_mask_mod(page_table: PageTable, plan: StepPlan | DecodeRows, mask_mod:
     """Physical-slot mask for a step: the row's own, written tokens, then ``mask_mod``
     (default ``causal``) in logical positions. ``b`` is the step's batch index."""
     mask_mod = causal if mask_mod is None else mask_mod
-    q_start, kv_lens = plan.q_start, plan.kv_lens
+    q_start, kv_lens, to_logical = plan.q_start, plan.kv_lens, _logical_kv(page_table)
 
     def paged_mask(b, h, q_idx, kv_idx):
-        logical_page, logical_kv = _logical_kv(page_table, kv_idx)
+        logical_page, logical_kv = to_logical(kv_idx)
         written = (logical_page >= 0) & (logical_kv < kv_lens[b])
         return written & mask_mod(b, h, q_start[b] + q_idx, logical_kv)
 
@@ -120,10 +126,10 @@ def paged_mask_mod(page_table: PageTable, plan: StepPlan | DecodeRows, mask_mod:
 
 def paged_score_mod(page_table: PageTable, plan: StepPlan | DecodeRows, score_mod: ScoreMod) -> ScoreMod:
     """Physical-slot version of a logical ``score_mod`` for a step."""
-    q_start = plan.q_start
+    q_start, to_logical = plan.q_start, _logical_kv(page_table)
 
     def paged_score(score, b, h, q_idx, kv_idx):
-        _, logical_kv = _logical_kv(page_table, kv_idx)
+        _, logical_kv = to_logical(kv_idx)
         return score_mod(score, b, h, q_start[b] + q_idx, logical_kv)
 
     return paged_score
@@ -136,11 +142,12 @@ def packed_mask_mod(
     ``tok_rows[q_idx]`` at logical position ``tok_pos[q_idx]`` (-1: padding, sees nothing).
     ``mask_mod`` (default ``causal``) gets the row as ``b`` and logical positions."""
     mask_mod = causal if mask_mod is None else mask_mod
+    lens, to_logical = page_table.lens, _logical_kv(page_table)
 
     def packed_mask(b, h, q_idx, kv_idx):
         row, pos = tok_rows[q_idx], tok_pos[q_idx]
-        logical_page, logical_kv = _logical_kv(page_table, kv_idx)
-        written = (logical_page >= 0) & (logical_kv < page_table.lens[row]) & (pos >= 0)
+        logical_page, logical_kv = to_logical(kv_idx)
+        written = (logical_page >= 0) & (logical_kv < lens[row]) & (pos >= 0)
         return written & mask_mod(row, h, pos, logical_kv)
 
     return packed_mask
@@ -148,9 +155,10 @@ def packed_mask_mod(
 
 def packed_score_mod(page_table: PageTable, tok_rows: Tensor, tok_pos: Tensor, score_mod: ScoreMod) -> ScoreMod:
     """Physical-slot version of a logical ``score_mod`` for packed query tokens."""
+    to_logical = _logical_kv(page_table)
 
     def packed_score(score, b, h, q_idx, kv_idx):
-        _, logical_kv = _logical_kv(page_table, kv_idx)
+        _, logical_kv = to_logical(kv_idx)
         return score_mod(score, tok_rows[q_idx], h, tok_pos[q_idx], logical_kv)
 
     return packed_score

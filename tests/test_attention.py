@@ -17,7 +17,8 @@ from reference import GARBAGE, make_cache, reference_attention, write_step
 
 import flexpage
 from flexpage import masks
-from flexpage.compile import compile_static
+from flexpage.bench.measure import compiled_graphs
+from flexpage.compile import AOT_ENV, compile_static
 
 ROWS = [3, 7, 1]  # active batch rows that are not 0..B-1
 HEAD_DIM = 32
@@ -163,8 +164,6 @@ def test_block_mask_lists_only_own_pages_and_is_not_pool_sized_off_cpu():
 
 
 def test_no_recompiles_across_decode_lengths_1_to_2048():
-    from torch._dynamo.utils import counters
-
     batch, hq, hkv = 2, 8, 2
     cache = make_cache(16, 2 * 2048 // 16 + 2, hkv, HEAD_DIM, max_batch_size=batch)
     rows = [cache.add_sequence() for _ in range(batch)]
@@ -176,11 +175,11 @@ def test_no_recompiles_across_decode_lengths_1_to_2048():
         return flexpage.paged_attention(query, kp, vp, flexpage.build_block_mask(cache.page_table, plan))
 
     step()  # warm-up: length 1
-    graphs = counters["stats"]["unique_graphs"]
+    graphs = compiled_graphs()
     for _ in range(2047):
         out = step()
     assert cache.seq_length(rows[0]) == 2048
-    assert counters["stats"]["unique_graphs"] == graphs
+    assert compiled_graphs() == graphs
     assert torch.isfinite(out).all()
 
 
@@ -248,9 +247,11 @@ def test_fresh_prefill_without_padding_is_plain_causal_attention():
     assert (flexpage.fresh_prefill_attention(query, kp, vp, plan)[0] - ref).abs().max() <= 1e-5
 
 
-def test_compiled_kernels_keep_their_graph_limit_on_other_threads():
-    """Since torch 2.12 dynamo's config is per thread: an Engine built or stepped on a thread other
-    than the one that imported flexpage must still get more than dynamo's default 8 graphs."""
+def test_compiled_kernels_keep_their_graph_limit_on_other_threads(monkeypatch):
+    """Since torch 2.12 dynamo's config is per thread: where kernels compile through dynamo (no
+    ahead-of-time compile), an Engine built or stepped on a thread other than the one that
+    imported flexpage must still get more than dynamo's default 8 graphs."""
+    monkeypatch.setenv(AOT_ENV, "0")
     double = compile_static(lambda x: x * 2)
     errors = []
 

@@ -87,10 +87,13 @@ def interleaved(
 
 
 def compiled_graphs() -> int:
-    """Graphs dynamo has compiled in this process (difference two readings to count recompiles)."""
+    """Graphs compiled or loaded in this process: dynamo's, and flexpage's ahead-of-time kernels
+    (difference two readings to count recompiles)."""
     from torch._dynamo.utils import counters
 
-    return counters["stats"]["unique_graphs"]
+    from flexpage.compile import graphs_held
+
+    return counters["stats"]["unique_graphs"] + graphs_held()
 
 
 class TokenClock(LogitsProcessor):
