@@ -202,6 +202,7 @@ def compile_static(fn: F) -> StaticCompiled[F]:
     return compiled
 
 
-def graphs_held() -> int:
-    """Graphs that flexpage's static functions have compiled or loaded in this process."""
-    return sum(c.graphs for c in _REGISTRY)
+def graph_counts() -> dict[str, int]:
+    """Graphs flexpage's static functions hold in this process: ``held`` (compiled or loaded)
+    and ``loaded`` (those read from disk, saved by an earlier process)."""
+    return {"held": sum(c.graphs for c in _REGISTRY), "loaded": sum(c.loaded for c in _REGISTRY)}

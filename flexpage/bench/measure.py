@@ -91,9 +91,9 @@ def compiled_graphs() -> int:
     (difference two readings to count recompiles)."""
     from torch._dynamo.utils import counters
 
-    from flexpage.compile import graphs_held
+    from flexpage.compile import graph_counts
 
-    return counters["stats"]["unique_graphs"] + graphs_held()
+    return counters["stats"]["unique_graphs"] + graph_counts()["held"]
 
 
 class TokenClock(LogitsProcessor):
