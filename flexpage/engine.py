@@ -552,7 +552,7 @@ def greedy_tokens(logits: torch.Tensor, block: int = 128) -> list[int]:
     rows, vocab = logits.shape
     if vocab % block:
         logits = torch.nn.functional.pad(logits, (0, -vocab % block), value=float("-inf"))
-    blocks = logits.reshape(rows, -1, block)
+    blocks = logits.reshape(rows, logits.shape[1] // block, block)  # rows may be 0: no prompt ended
     best = blocks.amax(-1).argmax(-1)  # [rows]
     within = blocks[torch.arange(rows, device=logits.device), best].argmax(-1)
     return (best * block + within).tolist()

@@ -87,6 +87,13 @@ def test_a_lone_request_decodes_one_token_per_step(stock_llama):
     assert engine.stats().steps == 6  # one prefill step, then one step per further token
 
 
+def test_a_prompt_longer_than_a_step_is_prefilled_over_several_steps(stock_llama):
+    engine = make_engine(warmup=False, max_tokens_per_step=64)
+    prompt = workload((150,))[0]
+    assert engine.generate([prompt], max_new_tokens=4) == [stock_greedy(stock_llama, prompt, 4)]
+    assert engine.stats().steps == 3 + 3  # chunks of 64, 64 and 22 tokens (the first two sample nothing), then 3 decodes
+
+
 def test_preemption_under_a_small_pool_changes_no_token(expected):
     # 24 pages of 16 tokens: the 200-token prompt plus its neighbours cannot all stay resident
     engine = make_engine(max_cached_tokens=384)
@@ -209,12 +216,16 @@ def test_a_failed_step_gives_its_slots_back_and_serving_resumes(expected, monkey
 
 
 @pytest.mark.parametrize("rows, vocab, dtype", [(1, 32000, torch.float32), (32, 32000, torch.float32),
-                                                (5, 1000, torch.float32), (3, 300, torch.bfloat16)])
+                                                (5, 1000, torch.float32), (3, 300, torch.bfloat16),
+                                                (0, 32000, torch.float32)])
 def test_greedy_tokens_equal_argmax_with_ties_and_nans(rows, vocab, dtype):
     from flexpage.engine import greedy_tokens
 
     torch.manual_seed(rows)
     logits = torch.randn(rows, vocab).to(dtype)
+    if rows == 0:  # a step whose chunks all stop mid-prompt samples nothing
+        assert greedy_tokens(logits) == []
+        return
     logits[0, [7, vocab - 1]] = 100.0  # a tie: the first index wins
     logits[-1, :] = float("-inf")  # nothing finite
     if rows > 2:
