@@ -7,7 +7,9 @@ functions, plain values) and dispatches to it directly. Each graph is compiled w
 it in milliseconds instead of re-tracing it with dynamo (about 0.3 s per function and shape on
 our CPU), and a call skips dynamo's guard evaluation (which cost half of a decode attention call).
 The signature holds everything dynamo would guard on for these functions; tensors captured by
-mods are read afresh at each call, exactly as the traced code reads them.
+mods are read afresh at each call, exactly as the traced code reads them. One difference from
+dynamo: a Python number a mod reads from a *global* (not its closure) is baked into the graph
+unguarded, so mods keep their settings in closures, as every mod in ``masks`` does.
 
 Where ``aot_compile`` is missing (torch < 2.10) or fails, the function runs under ordinary
 ``torch.compile`` (one graph per shape, dynamo's guards), with a raised recompile limit.
