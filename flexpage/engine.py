@@ -543,12 +543,12 @@ class Engine:
 
 
 def greedy_tokens(logits: torch.Tensor, block: int = 128) -> list[int]:
-    """``logits.argmax(-1).tolist()`` for ``[rows, vocab]`` logits, 7x faster at 32 rows on CPU.
+    """``logits.argmax(-1).tolist()`` for ``[rows, vocab]`` logits, 4x faster at 32 rows on CPU.
 
-    torch's CPU argmax over a row doesn't vectorise (1.2 ms for 32 x 32000 floats, where ``amax``
+    torch's CPU argmax over a row doesn't vectorise (0.55 ms for 32 x 32000 floats, where ``amax``
     takes 0.05 ms), so each row is cut into blocks: ``amax`` finds the first block holding the
-    row's maximum, and argmax runs over that block alone. Ties and NaNs resolve as argmax's do
-    (the first one wins)."""
+    row's maximum, and argmax runs over that block alone (0.13 ms in all). Ties and NaNs resolve
+    as argmax's do (the first one wins)."""
     rows, vocab = logits.shape
     if vocab % block:
         logits = torch.nn.functional.pad(logits, (0, -vocab % block), value=float("-inf"))
