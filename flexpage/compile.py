@@ -11,7 +11,7 @@ mods are read afresh at each call, exactly as the traced code reads them. One di
 dynamo: a Python number a mod reads from a *global* (not its closure) is baked into the graph
 unguarded, so mods keep their settings in closures, as every mod in ``masks`` does.
 
-Where ``aot_compile`` is missing (torch < 2.10) or fails, the function runs under ordinary
+Where ``aot_compile`` is missing (older torch) or fails, the function runs under ordinary
 ``torch.compile`` (one graph per shape, dynamo's guards), with a raised recompile limit.
 """
 
