@@ -52,10 +52,14 @@ class Unsupported(TypeError):
     """An argument whose identity a signature can't capture: the call goes through dynamo."""
 
 
+def _tensor_signature(tensor: torch.Tensor) -> tuple:
+    return ("T", tensor.shape, tensor.stride(), tensor.dtype, tensor.device, tensor.requires_grad)
+
+
 def signature(value: Any) -> Any:
     """A hashable description of ``value`` as a compiled graph specialises on it."""
     if isinstance(value, torch.Tensor):
-        return ("T", value.shape, value.stride(), value.dtype, value.device, value.requires_grad)
+        return _tensor_signature(value)
     if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
         return (type(value), value)  # bool apart from int: True == 1
     if isinstance(value, (tuple, list)):
@@ -155,7 +159,7 @@ class StaticCompiled(Generic[F]):
         every layer, so their (deep) signatures are memoised by identity, as small integers
         (masks and mods are never changed once built)."""
         if type(value) is torch.Tensor:
-            return (value.shape, value.stride(), value.dtype, value.device, value.requires_grad)
+            return _tensor_signature(value)
         if not isinstance(value, (types.FunctionType, BlockMask)):
             return signature(value)
         memo = self._memo.get(id(value))
