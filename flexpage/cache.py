@@ -162,8 +162,8 @@ class PagedKVCache(Cache):
         All or nothing, as ``begin_step``.
         """
         check_packed_layout(len(decode_rows), [n for _, n in chunks], decode_len, chunk_len, chunk_block)
-        self._extend(list(decode_rows) + [row for row, _ in chunks], [1] * len(decode_rows) + [n for _, n in chunks])
-        self.step = self.page_table.plan_packed(decode_rows, chunks, decode_len, chunk_len, chunk_block)
+        self._extend([*decode_rows, *(row for row, _ in chunks)], [1] * len(decode_rows) + [n for _, n in chunks])
+        self.step = self.page_table._packed(decode_rows, chunks, decode_len, chunk_len, chunk_block)
         return self.step
 
     def _extend(self, rows: Sequence[int], new_tokens: Sequence[int]) -> None:

@@ -10,6 +10,7 @@ once from the page tables and every layer attends through it. Region sizes are b
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any, Collection, Iterator
@@ -370,10 +371,11 @@ class Engine:
         device = self._device
         inputs = dict(
             input_ids=torch.tensor([ids], device=device),
-            position_ids=plan.position_ids.to(device),
+            position_ids=plan.position_ids,  # the plan's tensors are on the cache's device already
             attention_mask=PackedBlockMask.for_step(self.cache.page_table, plan),
             use_cache=True,
-            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
+            # every position's logits (0) when all are kept: a pure decode step builds no index tensor
+            logits_to_keep=0 if len(keep) == len(ids) else torch.tensor(keep, dtype=torch.long, device=device),
         )
         start = time.perf_counter()
         logits = self.model(**inputs, **{self.model._flexpage.cache_argument: self.cache}).logits[0]
@@ -550,12 +552,20 @@ def greedy_tokens(logits: torch.Tensor, block: int = 128) -> list[int]:
     row's maximum, and argmax runs over that block alone (0.13 ms in all). Ties and NaNs resolve
     as argmax's do (the first one wins)."""
     rows, vocab = logits.shape
+    if rows <= 2:  # argmax directly: fewest ops (each costs most right after a forward: caches are cold)
+        return logits.argmax(-1).tolist()
     if vocab % block:
         logits = torch.nn.functional.pad(logits, (0, -vocab % block), value=float("-inf"))
-    blocks = logits.reshape(rows, logits.shape[1] // block, block)  # rows may be 0: no prompt ended
-    best = blocks.amax(-1).argmax(-1)  # [rows]
-    within = blocks[torch.arange(rows, device=logits.device), best].argmax(-1)
-    return (best * block + within).tolist()
+    blocks = logits.reshape(rows, logits.shape[1] // block, block)
+    best = blocks.amax(-1).argmax(-1)  # [rows]: each row's first block holding its maximum
+    within = blocks.reshape(-1, block).index_select(0, best + _row_starts(rows, blocks.shape[1], logits.device))
+    return [b * block + w for b, w in zip(best.tolist(), within.argmax(-1).tolist())]
+
+
+@functools.lru_cache(maxsize=64)
+def _row_starts(rows: int, blocks: int, device: torch.device) -> torch.Tensor:
+    """The first block of each row of a ``[rows, blocks, block]`` view, as flat block indices."""
+    return torch.arange(0, rows * blocks, blocks, device=device)
 
 
 def _logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:

@@ -278,7 +278,7 @@ class PageTable:
                     f"a sequence may hold at most {self.max_pages_per_seq} pages "
                     f"({self.max_pages_per_seq * page_size} tokens)"
                 )
-            needed += self.pages_needed(row, n)
+            needed += max(0, total_pages - len(pages)) + self._needs_copy(row, n)
             growth.append((row, n, pages, length, total_pages))
         if needed > self.num_free_pages:
             raise OutOfPagesError(
@@ -287,17 +287,20 @@ class PageTable:
             )
         copies = []
         for row, n, pages, length, total_pages in growth:
-            if self._needs_copy(row, n):  # asked again: an earlier row's copy may have unshared the page
-                copies.append(self._copy_last_page(row))
-            first_new = len(pages)
-            for _ in range(total_pages - first_new):
-                pages.append(self._alloc())
-            for i in range(length // page_size, total_pages if n else 0):  # private pages written into
-                self.page_fill[pages[i]] = min(page_size, length + n - i * page_size)
+            if length % page_size and total_pages == len(pages) and not self._needs_copy(row, n):
+                self.page_fill[pages[-1]] += n  # the common decode step: the tokens fit the private last page
+            else:
+                if self._needs_copy(row, n):  # asked again: an earlier row's copy may have unshared the page
+                    copies.append(self._copy_last_page(row))
+                first_new = len(pages)
+                for _ in range(total_pages - first_new):
+                    pages.append(self._alloc())
+                for i in range(length // page_size, total_pages if n else 0):  # private pages written into
+                    self.page_fill[pages[i]] = min(page_size, length + n - i * page_size)
+                if total_pages > first_new:
+                    self._set("table", (row, slice(first_new, total_pages)), pages[first_new:])
+                    self._set("page_logical", pages[first_new:], list(range(first_new, total_pages)))
             self.live_tokens += n
-            if total_pages > first_new:
-                self._set("table", (row, slice(first_new, total_pages)), pages[first_new:])
-                self._set("page_logical", pages[first_new:], list(range(first_new, total_pages)))
             self.seq_lens[row] = length + n
         if rows:
             self._set("lens", list(rows), [self.seq_lens[r] for r in rows])
@@ -389,13 +392,20 @@ class PageTable:
         the chunk region ``chunk_len`` (both bucketed by the caller, so shapes repeat).
         """
         check_packed_layout(len(decode_rows), [n for _, n in chunks], decode_len, chunk_len, chunk_block)
-        q_len = decode_len + chunk_len
+        for row in (*decode_rows, *(row for row, _ in chunks)):
+            self._pages(row)  # ValueError for a row holding no sequence
+        return self._packed(decode_rows, chunks, decode_len, chunk_len, chunk_block)
+
+    def _packed(self, decode_rows: Sequence[int], chunks: Sequence[tuple[int, int]], decode_len: int,
+                chunk_len: int, chunk_block: int) -> PackedPlan:
+        """``plan_packed`` for a layout already checked (``PagedKVCache.begin_packed_step``)."""
+        q_len, lens = decode_len + chunk_len, self.seq_lens
         rows, positions = [0] * q_len, [-1] * q_len
-        for i, row in enumerate(decode_rows):
-            rows[i], positions[i] = row, self._length(row) - 1
+        rows[: len(decode_rows)] = decode_rows
+        positions[: len(decode_rows)] = [lens[row] - 1 for row in decode_rows]
         at = decode_len
         for row, n in chunks:
-            end = self._length(row)
+            end = lens[row]
             rows[at : at + n] = [row] * n
             positions[at : at + n] = range(end - n, end)
             at += cdiv(n, chunk_block) * chunk_block
@@ -419,11 +429,7 @@ class PageTable:
     # ------------------------------------------------------------------ internals
     def _tensor(self, values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
         """Host values as a tensor on the table's device (built on the host, one copy)."""
-        return torch.tensor(values, dtype=dtype).to(self.device)
-
-    def _length(self, row: int) -> int:
-        self._pages(row)
-        return self.seq_lens[row]
+        return torch.tensor(values, dtype=dtype, device=self.device)
 
     def _pages(self, row: int) -> list[int]:
         if not 0 <= row < self.max_batch_size or self.seq_pages[row] is None:

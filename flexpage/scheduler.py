@@ -60,7 +60,7 @@ class Sequence:
 
     def append(self, token: int) -> None:
         self.tokens.append(token)
-        if token in self.stop_token_ids or len(self.output) >= self.max_new_tokens:
+        if token in self.stop_token_ids or len(self.tokens) - self.prompt_len >= self.max_new_tokens:
             self.finished = True
 
 
@@ -131,7 +131,7 @@ class Scheduler:
         for seq in self.running:
             if seq.num_pending > 1 and budget > 0:
                 take(seq)
-        computing = self._keys_being_computed()
+        computing = self._keys_being_computed() if self.waiting else set()
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             rows = len(self.running) + sum(s.forks for s in self.running)  # samples still to fork need rows too
