@@ -29,7 +29,8 @@ from transformers import CompileConfig, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from .attention import fresh_prefill_attention, packed_attention, paged_attention, sdpa_over_pages, sequence_attention
+from .attention import (fresh_prefill_attention, packed_attention, paged_attention, query_group, rows_attention,
+                        sdpa_over_pages, sequence_attention)
 from .cache import PagedKVCache
 from .errors import UnsupportedModelError
 from .linear import FewRowLinears
@@ -303,6 +304,11 @@ def _make_attention(stock: str):
             return out.transpose(1, 2).contiguous(), None
         if plan.q_len == 1 and sdpa_over_pages(query.device, softcap, len(plan.row_ids)):
             out = sequence_attention(query, key, value, attention_mask.decode_kv(window), scale=scaling)
+            return out.transpose(1, 2).contiguous(), None
+        if plan.q_len == 1:  # one-token rows: grouped query heads where that is faster
+            group = query_group(query, key)
+            out = rows_attention(query, key, value, attention_mask.with_window(window, group),
+                                 attention_mask.softcap_mod(softcap, group), scaling, group)
             return out.transpose(1, 2).contiguous(), None
         pad = plan.q_len - query.shape[2]
         out = paged_attention(

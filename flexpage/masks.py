@@ -164,6 +164,31 @@ def packed_score_mod(page_table: PageTable, tok_rows: Tensor, tok_pos: Tensor, s
     return packed_score
 
 
+def grouped_mask_mod(mask_mod: MaskMod, group: int) -> MaskMod:
+    """``mask_mod`` of one-token rows for a query laid out as ``[B, kv_heads, group, D]``: the
+    ``group`` query heads that share a KV head run along the query axis, so each KV block is
+    read once per KV head instead of once per query head (grouped-query attention on CPU).
+    Query index ``q`` of head ``h`` is query head ``h * group + q`` at the row's one query."""
+
+    def grouped_mask(b, h, q_idx, kv_idx):
+        return mask_mod(b, h * group + q_idx, q_idx * 0, kv_idx)
+
+    return grouped_mask
+
+
+def grouped_score_mod(score_mod: ScoreMod, group: int) -> ScoreMod:
+    """``score_mod`` for one-token rows with grouped query heads (see ``grouped_mask_mod``)."""
+
+    def grouped_score(score, b, h, q_idx, kv_idx):
+        return score_mod(score, b, h * group + q_idx, q_idx * 0, kv_idx)
+
+    return grouped_score
+
+
+def _grouped_score(score_mod: ScoreMod, group: int) -> ScoreMod:
+    return score_mod if group == 1 else grouped_score_mod(score_mod, group)
+
+
 def build_block_mask(
     page_table: PageTable,
     plan: StepPlan,
@@ -238,16 +263,19 @@ class PagedBlockMask(_StepMask):
     def _causal(self) -> BlockMask:
         return self.with_window(None)
 
-    def with_window(self, window: int | None) -> BlockMask:
-        """This step's causal BlockMask, restricted to a sliding window of ``window`` tokens."""
+    def with_window(self, window: int | None, group: int = 1) -> BlockMask:
+        """This step's causal BlockMask, restricted to a sliding window of ``window`` tokens;
+        ``group > 1`` for a decode step's query with grouped heads (``grouped_mask_mod``)."""
         mask_mod = None if window is None else sliding_window(window)
-        return self._variant(("window", window), lambda: _build(self.page_table, self.plan, mask_mod, Q_BLOCK_SIZE))
+        return self._variant(("window", window, group),
+                             lambda: _build(self.page_table, self.plan, mask_mod, Q_BLOCK_SIZE, group))
 
-    def softcap_mod(self, cap: float | None) -> ScoreMod | None:
+    def softcap_mod(self, cap: float | None, group: int = 1) -> ScoreMod | None:
         """The physical-slot soft-capping score mod for this step (None when ``cap`` is None)."""
         if cap is None:
             return None
-        return self._variant(("softcap", cap), lambda: paged_score_mod(self.page_table, self.plan, softcap(cap)))
+        return self._variant(("softcap", cap, group), lambda: _grouped_score(
+            paged_score_mod(self.page_table, self.plan, softcap(cap)), group))
 
     def decode_kv(self, window: int | None = None) -> "SequenceKV":
         """Where a lone sequence's decode keys live, for SDPA over its pages (``SequenceKV``)."""
@@ -288,9 +316,12 @@ class SequenceKV:
         return cls(length - first, None, slots.to(page_table.device), allowed, causal)
 
 
-def _build(page_table: PageTable, plan: StepPlan | DecodeRows, mask_mod: MaskMod | None, q_block_size: int
-           ) -> BlockMask:
+def _build(page_table: PageTable, plan: StepPlan | DecodeRows, mask_mod: MaskMod | None, q_block_size: int,
+           group: int = 1) -> BlockMask:
+    """The step's BlockMask; ``group > 1`` (one-token rows only) for a query whose grouped heads
+    run along the query axis (``grouped_mask_mod``): same blocks, ``group`` query positions."""
     uniform = plan.q_len == 1 and page_table.device.type == "cpu" and len(plan.rows) > 1
+    paged_mask = paged_mask_mod(page_table, plan, mask_mod)
     kv_num, kv_indices, full_num, full_indices = _block_metadata(
         page_table.table,
         plan.rows,
@@ -311,8 +342,8 @@ def _build(page_table: PageTable, plan: StepPlan | DecodeRows, mask_mod: MaskMod
         full_num,
         full_indices,
         BLOCK_SIZE=(q_block_size, page_table.page_size),
-        mask_mod=paged_mask_mod(page_table, plan, mask_mod),
-        seq_lengths=(plan.q_len, (page_table.num_pages + 1) * page_table.page_size),
+        mask_mod=paged_mask if group == 1 else grouped_mask_mod(paged_mask, group),
+        seq_lengths=(plan.q_len * group, (page_table.num_pages + 1) * page_table.page_size),
         compute_q_blocks=False,
     )
 
@@ -422,18 +453,19 @@ class PackedBlockMask(_StepMask):
     def _causal(self) -> BlockMask:
         return self.region("decode" if self.plan.decode_len else "chunk")[2]
 
-    def region(self, name: str, window: int | None = None, cap: float | None = None
+    def region(self, name: str, window: int | None = None, cap: float | None = None, group: int = 1
                ) -> tuple[int, int, BlockMask, ScoreMod | None]:
         """``(start, end, block_mask, score_mod)`` of the ``"decode"`` or ``"chunk"`` region, for
         a causal mask restricted to a sliding ``window`` and scores soft-capped at ``cap``. The
-        decode region's mask is for its tokens as a batch of one-token rows (``DecodeRows``)."""
+        decode region's mask is for its tokens as a batch of one-token rows (``DecodeRows``),
+        with ``group`` query heads along the query axis (``grouped_mask_mod``)."""
         plan = self.plan
         if name == "decode":
             rows = self._variant(("decode_rows",), lambda: DecodeRows.of(plan))
             mask_mod = None if window is None else sliding_window(window)
-            return self._variant(("decode", window, cap), lambda: (
-                0, plan.decode_len, _build(self.page_table, rows, mask_mod, Q_BLOCK_SIZE),
-                None if cap is None else paged_score_mod(self.page_table, rows, softcap(cap))))
+            return self._variant(("decode", window, cap, group), lambda: (
+                0, plan.decode_len, _build(self.page_table, rows, mask_mod, Q_BLOCK_SIZE, group),
+                None if cap is None else _grouped_score(paged_score_mod(self.page_table, rows, softcap(cap)), group)))
         start, end, q_block = plan.decode_len, plan.q_len, plan.chunk_block
         if cap is not None:  # the same block metadata as without soft-capping, plus the score mod
             rows, pos = plan.tok_rows[start:end], plan.tok_pos[start:end]

@@ -43,3 +43,24 @@ def test_alibi_penalises_distance_per_head():
 def test_bad_mod_arguments(make, arg):
     with pytest.raises(ValueError):
         make(arg)
+
+
+def test_grouped_mods_see_query_head_h_times_group_plus_q_at_the_rows_one_query():
+    """A one-token row's query laid out [kv_heads, group]: (h, q) is query head h * group + q,
+    every q at the row's query position (the mod's own q_idx is 0 for a one-token row)."""
+    seen = []
+
+    def record(b, h, q_idx, kv_idx):
+        seen.append((int(h), int(q_idx)))
+        return kv_idx >= 0
+
+    for h in range(2):
+        for q in range(4):
+            assert masks.grouped_mask_mod(record, 4)(B, torch.tensor(h), torch.tensor(q), torch.tensor(3))
+    assert seen == [(h * 4 + q, 0) for h in range(2) for q in range(4)]
+    slopes = masks.alibi_slopes(8)
+    grouped = masks.grouped_score_mod(masks.alibi(slopes), 4)
+    for h in range(2):
+        for q in range(4):  # the query sits at position 0 of the mod's coordinates: score = slope * kv_idx
+            out = grouped(torch.zeros(()), B, torch.tensor(h), torch.tensor(q), torch.tensor(5))
+            assert out.item() == pytest.approx(slopes[h * 4 + q].item() * 5)
