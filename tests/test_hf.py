@@ -29,10 +29,11 @@ def prompts(lengths=PROMPT_LENGTHS, seed=0):
 
 @pytest.fixture
 def paged_calls(monkeypatch):
-    """Counts calls of flexpage's attention kernels (paged FlexAttention, SDPA for prefills from
-    scratch, SDPA over gathered pages for CPU decode steps), to prove the paged path ran."""
+    """Counts calls of flexpage's attention kernels (paged FlexAttention, over one-token rows or
+    longer queries; SDPA for prefills from scratch, SDPA over gathered pages for CPU decode
+    steps), to prove the paged path ran."""
     calls = []
-    for name in ("paged_attention", "fresh_prefill_attention", "sequence_attention"):
+    for name in ("paged_attention", "rows_attention", "fresh_prefill_attention", "sequence_attention"):
         real = getattr(flexpage_hf, name)
 
         def counting(*args, _real=real, **kwargs):
