@@ -104,11 +104,10 @@ def query_group(query: Tensor, key_pool: Tensor) -> int:
 def rows_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, block_mask: BlockMask,
                    score_mod: ScoreMod | None, scale: float | None, group: int) -> Tensor:
     """``paged_attention`` of one-token rows ``[B, Hq, 1, D]``, with ``group`` query heads per
-    KV head along the query axis (``[B, Hq / group, group, D]``) when ``group > 1``; the mask and
-    mod must be built for that ``group`` (``masks.grouped_mask_mod``). Returns ``[B, Hq, 1, Dv]``."""
+    KV head along the query axis (``[B, Hq / group, group, D]``; ``group == 1`` is the plain
+    layout); the mask and mod must be built for that ``group`` (``masks.grouped_mask_mod``).
+    Returns ``[B, Hq, 1, Dv]``."""
     batch, heads, _, dim = query.shape
-    if group == 1:
-        return paged_attention(query, key_pool, value_pool, block_mask, score_mod, scale)
     grouped = query.reshape(batch, heads // group, group, dim)
     out = paged_attention(grouped, key_pool, value_pool, block_mask, score_mod, scale)
     return out.reshape(batch, heads, 1, out.shape[-1])

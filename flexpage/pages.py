@@ -278,7 +278,7 @@ class PageTable:
                     f"a sequence may hold at most {self.max_pages_per_seq} pages "
                     f"({self.max_pages_per_seq * page_size} tokens)"
                 )
-            needed += max(0, total_pages - len(pages)) + self._needs_copy(row, n)
+            needed += self.pages_needed(row, n)
             growth.append((row, n, pages, length, total_pages))
         if needed > self.num_free_pages:
             raise OutOfPagesError(
@@ -287,10 +287,11 @@ class PageTable:
             )
         copies = []
         for row, n, pages, length, total_pages in growth:
-            if length % page_size and total_pages == len(pages) and not self._needs_copy(row, n):
+            copy = self._needs_copy(row, n)  # asked again: an earlier row's copy may have unshared the page
+            if length % page_size and total_pages == len(pages) and not copy:
                 self.page_fill[pages[-1]] += n  # the common decode step: the tokens fit the private last page
             else:
-                if self._needs_copy(row, n):  # asked again: an earlier row's copy may have unshared the page
+                if copy:
                     copies.append(self._copy_last_page(row))
                 first_new = len(pages)
                 for _ in range(total_pages - first_new):
