@@ -287,16 +287,17 @@ class PagedBlockMask(_StepMask):
 class SequenceKV:
     """The slots of one sequence's last ``width`` keys (its newest token last): a plain slice of
     the pool, ``start:start + width``, when they fill consecutive slots, else the ``slots`` to
-    gather; ``allowed`` (``[queries, width]`` bool) masks keys per query when a step feeds the
-    sequence several queries (a prefill chunk), None for one query that sees every key, or
-    when the queries are exactly the keys' tokens (``causal``: a fresh chunk attends its own
-    tokens causally, SDPA's faster unmasked path)."""
+    gather. A step that feeds the sequence several queries (a prefill chunk) attends its own
+    tokens causally (``causal``: the keys are exactly the chunk's, SDPA's unmasked causal path)
+    after ``earlier`` keys that every query sees whole; ``allowed`` (``[queries, width]`` bool)
+    masks keys per query only where a sliding window cuts them. One query sees every key."""
 
     width: int
     start: int | None  # first slot when the keys are stored contiguously, else None
     slots: Tensor | None  # [width] int64 pool slots (None when ``start`` is set)
     allowed: Tensor | None = None
     causal: bool = False
+    earlier: int = 0  # keys before the chunk's own (``causal`` chunks only)
 
     @classmethod
     def for_row(cls, page_table: PageTable, row: int, window: int | None, queries: int = 1) -> "SequenceKV":
@@ -304,16 +305,17 @@ class SequenceKV:
         page, length = page_table.page_size, page_table.seq_lens[row]
         first = 0 if window is None else max(0, length - queries + 1 - window)
         pages = page_table.seq_pages[row][first // page : cdiv(length, page)]
-        allowed, causal = None, queries > 1 and queries == length - first and (window is None or queries <= window)
+        allowed, causal = None, queries > 1 and (window is None or queries == length - first and queries <= window)
         if queries > 1 and not causal:
             q_pos = torch.arange(length - queries, length)[:, None]
             k_pos = torch.arange(first, length)[None, :]
             allowed = k_pos <= q_pos if window is None else (k_pos <= q_pos) & (q_pos - k_pos < window)
             allowed = allowed.to(page_table.device)
+        earlier = length - first - queries if causal else 0
         if pages == list(range(pages[0], pages[0] + len(pages))):
-            return cls(length - first, pages[0] * page + first % page, None, allowed, causal)
+            return cls(length - first, pages[0] * page + first % page, None, allowed, causal, earlier)
         slots = (torch.tensor(pages)[:, None] * page + torch.arange(page)).view(-1)[first % page :][: length - first]
-        return cls(length - first, None, slots.to(page_table.device), allowed, causal)
+        return cls(length - first, None, slots.to(page_table.device), allowed, causal, earlier)
 
 
 def _build(page_table: PageTable, plan: StepPlan | DecodeRows, mask_mod: MaskMod | None, q_block_size: int,

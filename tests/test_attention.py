@@ -223,6 +223,27 @@ def test_sequence_attention_of_a_decode_token_matches_sdpa(window, context, seed
     assert (out[0] - ref).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("window", [None, 24])
+@settings(max_examples=6, deadline=None)
+@given(context=st.integers(1, 200), n=st.integers(2, 70), seed=st.integers(0, 2**16))
+def test_sequence_attention_of_a_chunk_after_cached_tokens_matches_sdpa(window, context, n, seed):
+    """A prefill chunk after cached tokens: without a window it is two unmasked calls (earlier
+    keys whole, its own keys causally) merged by log-sum-exp; with one, a masked call."""
+    torch.manual_seed(seed)
+    cache = make_cache(16, 25, 2, HEAD_DIM, seed=seed)
+    row = cache.add_sequence(ROWS[0])
+    keys, values = torch.randn(2, 2, context + n, HEAD_DIM)
+    write_step(cache, [row], [keys[:, :context]], [values[:, :context]])
+    _, (kp, vp) = write_step(cache, [row], [keys[:, context:]], [values[:, context:]])
+    kv = flexpage.SequenceKV.for_row(cache.page_table, row, window, queries=n)
+    if window is None:
+        assert kv.allowed is None and kv.causal and kv.earlier == context
+    query = torch.randn(1, 8, n, HEAD_DIM)
+    ref = reference_attention(query[0], keys, values, torch.arange(context, context + n), 0,
+                              masks.sliding_window(window) if window else None)
+    assert (flexpage.sequence_attention(query, kp, vp, kv)[0] - ref).abs().max() <= 1e-5
+
+
 def test_sequence_attention_reads_a_contiguous_sequence_in_place():
     cache = flexpage.PagedKVCache(num_layers=1, num_kv_heads=2, head_dim=HEAD_DIM, page_size=16, num_pages=32,
                                   max_batch_size=2)
