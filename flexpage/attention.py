@@ -164,6 +164,13 @@ def sequence_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, kv: 
         keys, values = key_pool[:, :, kv.slots], value_pool[:, :, kv.slots]
     if kv.earlier:
         return _chunk_after_earlier_keys(query, keys, values, kv.earlier, scale)
+    batch, heads, n, dim = query.shape
+    if n == 1 and heads != keys.shape[1]:
+        # a decode token sees every key: each KV head's query heads go along the query axis, so
+        # the kernel reads each KV head once, not once per query head (4x less at 8 over 2)
+        out = F.scaled_dot_product_attention(query.reshape(batch, keys.shape[1], heads // keys.shape[1], dim),
+                                             keys, values, scale=scale)
+        return out.reshape(batch, heads, 1, out.shape[-1])
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=kv.allowed, is_causal=kv.causal, scale=scale,
                                           enable_gqa=query.shape[1] != keys.shape[1])
 

@@ -322,7 +322,10 @@ def _build(page_table: PageTable, plan: StepPlan | DecodeRows, mask_mod: MaskMod
            group: int = 1) -> BlockMask:
     """The step's BlockMask; ``group > 1`` (one-token rows only) for a query whose grouped heads
     run along the query axis (``grouped_mask_mod``): same blocks, ``group`` query positions."""
-    uniform = plan.q_len == 1 and page_table.device.type == "cpu" and len(plan.rows) > 1
+    # one-token rows on CPU take inductor's decoding template, which needs rows listing equal
+    # block counts (``_block_metadata``); grouped rows (a query per head of the group) take the
+    # attention template, which walks each row's own blocks, so they list exactly their pages
+    uniform = plan.q_len == 1 and group == 1 and page_table.device.type == "cpu" and len(plan.rows) > 1
     paged_mask = paged_mask_mod(page_table, plan, mask_mod)
     kv_num, kv_indices, full_num, full_indices = _block_metadata(
         page_table.table,

@@ -94,3 +94,17 @@ def test_layout_that_does_not_fit_leaves_cache_unchanged():
     with pytest.raises(flexpage.OutOfPagesError):
         cache.begin_packed_step([rows[0]], [(rows[1], 100)], 1, 112)
     assert list(cache.page_table.free_pages) == free and cache.page_table.seq_lens == lens
+
+
+def test_grouped_decode_rows_list_their_own_pages():
+    """CPU decode rows with grouped query heads (attention template) list exactly their own
+    pages, full ones unmasked; plain one-token rows (decoding template) list equal counts."""
+    cache, plan, mask = _ragged_step([5, 40, 100], [], None, None, seed=3, chunk_len=0)
+    lens = [6, 41, 101]  # the context plus the step's token
+    grouped = mask.region("decode", group=HQ // HKV)[2]
+    listed = grouped.kv_num_blocks[:3, 0, 0] + grouped.full_kv_num_blocks[:3, 0, 0]
+    assert listed.tolist() == [-(-n // PAGE) for n in lens]
+    assert grouped.full_kv_num_blocks[:3, 0, 0].tolist() == [n // PAGE for n in lens]
+    assert (grouped.kv_num_blocks[3:] + grouped.full_kv_num_blocks[3:]).eq(0).all()  # the padding row
+    plain = mask.region("decode")[2]
+    assert (plain.kv_num_blocks + plain.full_kv_num_blocks).eq(-(-max(lens) // PAGE)).all()
