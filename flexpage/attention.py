@@ -162,17 +162,26 @@ def sequence_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, kv: 
         values = value_pool[:, :, kv.start : kv.start + kv.width]
     else:
         keys, values = key_pool[:, :, kv.slots], value_pool[:, :, kv.slots]
-    if kv.earlier:
-        return _chunk_after_earlier_keys(query, keys, values, kv.earlier, scale)
     batch, heads, n, dim = query.shape
+    if kv.earlier and query.device.type == "cpu":
+        return _chunk_after_earlier_keys(query, keys, values, kv.earlier, scale)
     if n == 1 and heads != keys.shape[1]:
         # a decode token sees every key: each KV head's query heads go along the query axis, so
         # the kernel reads each KV head once, not once per query head (4x less at 8 over 2)
         out = F.scaled_dot_product_attention(query.reshape(batch, keys.shape[1], heads // keys.shape[1], dim),
                                              keys, values, scale=scale)
         return out.reshape(batch, heads, 1, out.shape[-1])
-    return F.scaled_dot_product_attention(query, keys, values, attn_mask=kv.allowed, is_causal=kv.causal, scale=scale,
+    allowed, causal = kv.allowed, kv.causal
+    if kv.earlier:  # off CPU: one masked call
+        allowed, causal = causal_after(n, kv.earlier, query.device), False
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed, is_causal=causal, scale=scale,
                                           enable_gqa=query.shape[1] != keys.shape[1])
+
+
+def causal_after(queries: int, earlier: int, device: torch.device | str = "cpu") -> Tensor:
+    """``[queries, earlier + queries]`` bool mask: query ``i`` sees the ``earlier`` keys and the
+    chunk's own keys up to itself (causal attention of a chunk after cached tokens)."""
+    return torch.ones(queries, earlier + queries, dtype=torch.bool, device=device).tril(earlier)
 
 
 def _chunk_after_earlier_keys(query: Tensor, keys: Tensor, values: Tensor, earlier: int,

@@ -11,12 +11,13 @@ import threading
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference import GARBAGE, make_cache, reference_attention, write_step
 
 import flexpage
-from flexpage import masks
+from flexpage import attention, masks
 from flexpage.bench.measure import compiled_graphs
 from flexpage.compile import AOT_ENV, compile_static
 
@@ -242,6 +243,10 @@ def test_sequence_attention_of_a_chunk_after_cached_tokens_matches_sdpa(window, 
     ref = reference_attention(query[0], keys, values, torch.arange(context, context + n), 0,
                               masks.sliding_window(window) if window else None)
     assert (flexpage.sequence_attention(query, kp, vp, kv)[0] - ref).abs().max() <= 1e-5
+    if window is None:  # the single masked call used off CPU
+        off_cpu = F.scaled_dot_product_attention(query, keys[None], values[None], enable_gqa=True,
+                                                 attn_mask=attention.causal_after(n, context))
+        assert (off_cpu[0] - ref).abs().max() <= 1e-5
 
 
 def test_sequence_attention_reads_a_contiguous_sequence_in_place():
