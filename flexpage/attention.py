@@ -151,7 +151,8 @@ def fresh_prefill_attention(
 def sequence_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, kv: SequenceKV,
                        scale: float | None = None) -> Tensor:
     """One sequence's attention by SDPA over its keys in the pools: a decode token
-    (``query`` ``[1, Hq, 1, D]``) or a prefill chunk (``[1, Hq, n, D]``, masked by ``kv.allowed``).
+    (``query`` ``[1, Hq, 1, D]``) or a prefill chunk (``[1, Hq, n, D]``: causal after
+    ``kv.earlier`` keys, or masked by ``kv.allowed`` under a sliding window).
 
     ``kv`` (``decode_kv`` / ``chunk_kv`` of the step's mask) names the keys' slots. Keys in
     consecutive slots are attended in place (a slice of the pool, no copy), others are
