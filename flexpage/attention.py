@@ -163,20 +163,25 @@ def sequence_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, kv: 
         values = value_pool[:, :, kv.start : kv.start + kv.width]
     else:
         keys, values = key_pool[:, :, kv.slots], value_pool[:, :, kv.slots]
-    batch, heads, n, dim = query.shape
+    batch, heads, n, _ = query.shape
     if kv.earlier and query.device.type == "cpu":
         return _chunk_after_earlier_keys(query, keys, values, kv.earlier, scale)
-    if n == 1 and heads != keys.shape[1]:
-        # a decode token sees every key: each KV head's query heads go along the query axis, so
-        # the kernel reads each KV head once, not once per query head (4x less at 8 over 2)
-        out = F.scaled_dot_product_attention(query.reshape(batch, keys.shape[1], heads // keys.shape[1], dim),
-                                             keys, values, scale=scale)
+    if n == 1 and heads != keys.shape[1]:  # a decode token sees every key
+        out = F.scaled_dot_product_attention(_heads_folded(query, keys.shape[1]), keys, values, scale=scale)
         return out.reshape(batch, heads, 1, out.shape[-1])
     allowed, causal = kv.allowed, kv.causal
     if kv.earlier:  # off CPU: one masked call
         allowed, causal = causal_after(n, kv.earlier, query.device), False
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed, is_causal=causal, scale=scale,
-                                          enable_gqa=query.shape[1] != keys.shape[1])
+                                          enable_gqa=heads != keys.shape[1])
+
+
+def _heads_folded(query: Tensor, kv_heads: int) -> Tensor:
+    """``query`` ``[B, Hq, n, D]`` as ``[B, kv_heads, group * n, D]``: each KV head's query heads
+    along the query axis. Exact where every query sees every key, and the kernel then reads each
+    KV head once, not once per query head (4x less at 8 query heads over 2)."""
+    batch, heads, n, dim = query.shape
+    return query.reshape(batch, kv_heads, heads // kv_heads * n, dim)
 
 
 def causal_after(queries: int, earlier: int, device: torch.device | str = "cpu") -> Tensor:
@@ -191,14 +196,13 @@ def _chunk_after_earlier_keys(query: Tensor, keys: Tensor, values: Tensor, earli
     sees, then the chunk's own tokens: two unmasked SDPA calls whose outputs are merged by
     their log-sum-exps. One masked call over all the keys would spend the masked-out half of
     the chunk's own square (1/6 of the work for a 512-token chunk after 1024 tokens) and read
-    a mask. The earlier keys are attended with each KV head's query heads along the query axis,
-    so they are read once per KV head and never copied. CPU only (the op is the CPU kernel)."""
-    batch, heads, n, dim = query.shape
-    kv_heads = keys.shape[1]
-    group = heads // kv_heads
+    a mask. The earlier keys are attended with folded heads (``_heads_folded``), so they are
+    read once per KV head and never copied. CPU only (the op is the CPU kernel)."""
+    batch, heads, n, _ = query.shape
+    group = heads // keys.shape[1]
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    early, early_lse = flash(query.reshape(batch, kv_heads, group * n, dim), keys[:, :, :earlier],
-                             values[:, :, :earlier], scale=scale)
+    early, early_lse = flash(_heads_folded(query, keys.shape[1]), keys[:, :, :earlier], values[:, :, :earlier],
+                             scale=scale)
     own_keys, own_values = keys[:, :, earlier:], values[:, :, earlier:]
     if group > 1:
         own_keys, own_values = own_keys.repeat_interleave(group, 1), own_values.repeat_interleave(group, 1)
