@@ -1,19 +1,25 @@
-"""Linear layers fed a few rows (a decode step's tokens), computed the way CPU BLAS is fast at.
+"""Linear layers fed a few rows (a decode step's tokens), in whichever orientation the CPU's BLAS
+is faster at for them.
 
 In a decode step every linear layer multiplies a handful of rows (one per sequence) by its
-weight. On the x86 CPUs this project runs on (MKL, float32) ``x @ W.T`` over 2-16 rows costs
-1.3-3x the same product taken as ``(W @ x.T).T``: MKL handles a GEMM with few columns well and
-one with few rows badly (measured per weight shape of ``llama-small``: 2 rows 0.44 -> 0.20 ms
-for 1536x512, 12.5 -> 3.8 ms for the 32000x512 LM head; bit-identical from ~32 rows on, where
-both reach the same kernel; a decode step of 8 sequences at 1024 tokens: 65-74 -> 49 ms).
-Below 32 rows the results differ from ``F.linear``'s in the last bits, as paged attention's
-already do from SDPA's. ``FewRowLinears`` switches a model's ``nn.Linear`` layers to that
-orientation for forwards through a paged cache only (a flag set by a hook on the model), so a
-wrapped model's plain forward (scoring, training) stays bit-for-bit the stock one.
+weight. MKL (float32) computes ``x @ W.T`` and the same product taken as ``(W @ x.T).T`` at very
+different speeds, and which one wins depends on the CPU: on the AMD EPYC cores this project was
+first measured on, the transposed form was 1.3-3x faster over 2-16 rows (2 rows through a
+1536x512 weight: 0.44 -> 0.20 ms; through the 32000x512 LM head: 12.5 -> 3.8 ms); on an Intel
+Xeon (AVX-512) it is 2-5x *slower* over 1-8 rows (LM head, 2 rows: 1.4 -> 4.1 ms) and faster
+again at 16-32 (10.0 -> 5.0 ms). So ``few_row_linear`` measures both orientations the first
+time it meets a weight shape with a given number of rows (rounded up to a power of two), and
+uses the faster one from then on in this process. Results differ from ``F.linear``'s in the
+last bits where the transposed form wins, as paged attention's already do from SDPA's.
+``FewRowLinears`` routes a model's ``nn.Linear`` layers through it for forwards through a paged
+cache only (a flag set by a hook on the model), so a wrapped model's plain forward (scoring,
+training) stays bit-for-bit the stock one.
 """
 
 from __future__ import annotations
 
+import math
+import time
 import types
 from typing import Any, Callable
 
@@ -22,23 +28,46 @@ import torch.nn.functional as F
 from torch import nn
 
 MAX_ROWS = 256  # above this the products cost the same both ways and the transposing copy is pure cost
+TRIALS = 3  # timed calls of each orientation, alternated, when a (weight shape, row bucket) is first met
+
+# (out_features, in_features, has bias, row bucket) -> whether the transposed form measured faster
+faster_transposed: dict[tuple[int, int, bool, int], bool] = {}
 
 
-def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, computed as ``(weight @ rows.T).T`` when ``x`` holds
-    2..``MAX_ROWS`` float32 rows on the CPU (the faster orientation there), else by ``F.linear``.
-    A single row meets a tall weight (``out >= 2 * in``: the LM head, gate/up projections) as
-    two copies of itself: MKL's two-column GEMM reads the weight faster than its
-    matrix-vector product does (32000x512 LM head: 6.3 -> 5.0 ms, cold caches)."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    fewest = 1 if weight.shape[0] >= 2 * weight.shape[1] else 2  # a tall weight gains from one row on
-    if not fewest <= rows <= MAX_ROWS or x.device.type != "cpu" or not x.dtype == weight.dtype == torch.float32:
-        return F.linear(x, weight, bias)
+def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` computed as ``(weight @ rows.T).T``. A single row goes in as
+    two copies of itself: MKL's two-column GEMM reads a weight faster than its matrix-vector
+    product on some CPUs (AMD EPYC, 32000x512 LM head: 6.3 -> 5.0 ms)."""
+    rows = x.numel() // x.shape[-1]
     flat = x.reshape(rows, x.shape[-1])
     if rows == 1:
         flat = flat.repeat(2, 1)
     out = torch.mm(weight, flat.t()) if bias is None else torch.addmm(bias[:, None], weight, flat.t())
     return out[:, :rows].t().contiguous().view(*x.shape[:-1], weight.shape[0])
+
+
+def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for float32 CPU inputs of 1..``MAX_ROWS`` rows in the
+    orientation measured faster for this weight shape and row bucket; otherwise ``F.linear``."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not 1 <= rows <= MAX_ROWS or x.device.type != "cpu" or not x.dtype == weight.dtype == torch.float32:
+        return F.linear(x, weight, bias)
+    key = (weight.shape[0], weight.shape[1], bias is not None, 1 << (rows - 1).bit_length())
+    transposed = faster_transposed.get(key)
+    if transposed is None:
+        transposed = faster_transposed[key] = _transposed_is_faster(x, weight, bias)
+    return transposed_linear(x, weight, bias) if transposed else F.linear(x, weight, bias)
+
+
+def _transposed_is_faster(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Time both orientations on these very inputs, alternated, best of ``TRIALS`` each."""
+    best = {F.linear: math.inf, transposed_linear: math.inf}
+    for _ in range(TRIALS):
+        for product in best:
+            start = time.perf_counter()
+            product(x, weight, bias)
+            best[product] = min(best[product], time.perf_counter() - start)
+    return best[transposed_linear] < best[F.linear]
 
 
 class FewRowLinears:

@@ -1,23 +1,27 @@
-"""Few-row linear layers: the same product as F.linear, used only inside paged forwards."""
+"""Few-row linear layers: the same product as F.linear, in the orientation measured faster, used
+only inside paged forwards."""
+
+import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import flexpage
-from flexpage import zoo
-from flexpage.linear import MAX_ROWS, FewRowLinears, few_row_linear
+from flexpage import linear, zoo
+from flexpage.linear import MAX_ROWS, FewRowLinears, few_row_linear, transposed_linear
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (2, 64), (3, 5, 64), (1, 8, 64), (MAX_ROWS, 64), (MAX_ROWS + 1, 64)])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("out_features", [96, 160])  # 160 >= 2 x 64: a tall weight, one row takes the GEMM too
-def test_few_row_linear_equals_float64_reference(shape, bias, out_features):
+@pytest.mark.parametrize("product", ["transposed", "measured"])
+def test_few_row_linear_equals_float64_reference(shape, bias, product):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, generator=g)
+    out_features = 96
     weight = torch.randn(out_features, 64, generator=g)
     b = torch.randn(out_features, generator=g) if bias else None
-    out = few_row_linear(x, weight, b)
+    out = (transposed_linear if product == "transposed" else few_row_linear)(x, weight, b)
     ref = F.linear(x.double(), weight.double(), None if b is None else b.double())
     assert out.shape == (*shape[:-1], out_features) and out.dtype == torch.float32 and out.is_contiguous()
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
@@ -28,8 +32,39 @@ def test_few_row_linear_takes_non_contiguous_rows():
     x = torch.randn(32, 40).t()[:, :24]  # 40 rows of 24 features, column-major and sliced
     assert not x.is_contiguous()
     weight = torch.randn(16, 24)
-    torch.testing.assert_close(few_row_linear(x, weight, None).double(), F.linear(x.double(), weight.double()),
+    torch.testing.assert_close(transposed_linear(x, weight, None).double(), F.linear(x.double(), weight.double()),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_orientation_is_measured_once_per_weight_shape_and_row_bucket(monkeypatch):
+    measured = []
+    monkeypatch.setattr(linear, "faster_transposed", {})
+    monkeypatch.setattr(linear, "_transposed_is_faster", lambda x, w, b: measured.append(x.shape[0]) or len(measured) % 2 == 1)
+    weight, other = torch.randn(32, 16), torch.randn(48, 16)
+    for rows in [3, 4, 3, 1, 5, 8, 4, 1]:  # buckets 4, 4, 4, 1, 8, 8, 4, 1
+        x = torch.randn(rows, 16)
+        out = few_row_linear(x, weight, None)
+        torch.testing.assert_close(out, x @ weight.t(), rtol=1e-5, atol=1e-5)
+    few_row_linear(torch.randn(3, 16), other, None)  # another weight shape: measured anew
+    few_row_linear(torch.randn(3, 16), weight, torch.randn(32))  # with a bias: a different product
+    few_row_linear(torch.randn(MAX_ROWS + 1, 16), weight, None)  # past MAX_ROWS: F.linear, nothing measured
+    assert measured == [3, 1, 5, 3, 3]
+    assert linear.faster_transposed == {(32, 16, False, 4): True, (32, 16, False, 1): False,
+                                        (32, 16, False, 8): True, (48, 16, False, 4): False, (32, 16, True, 4): True}
+
+
+@pytest.mark.parametrize("slow", ["F.linear", "transposed"])
+def test_measurement_picks_the_faster_product(monkeypatch, slow):
+    def slowed(product):
+        def run(*args):
+            time.sleep(0.005)
+            return product(*args)
+        return run
+    if slow == "F.linear":
+        monkeypatch.setattr(F, "linear", slowed(F.linear))
+    else:
+        monkeypatch.setattr(linear, "transposed_linear", slowed(transposed_linear))
+    assert linear._transposed_is_faster(torch.randn(2, 16), torch.randn(32, 16), None) == (slow == "F.linear")
 
 
 def _recording(model):
