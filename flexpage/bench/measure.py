@@ -149,6 +149,15 @@ class PeakMemory:
         return (self.peak - self.start) / 2**20
 
 
+def _cpu_model() -> str | None:
+    """The CPU's model name (Linux), which decides which BLAS kernels win on it."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
 def machine_info() -> dict:
     import transformers
 
@@ -157,7 +166,7 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
+        "processor": _cpu_model() or platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
