@@ -132,7 +132,7 @@ class Engine:
     engine on every rank; requests enter on rank 0, which broadcasts them (over ``tp_group``, a
     gloo group by default) so every rank takes the same steps; the other ranks call ``follow()``
     until rank 0 calls ``close()``. ``check_ranks`` compares every step's plan across ranks.
-    ``few_row_linears`` is ``wrap``'s option (CPU linear layers in MKL's fast orientation).
+    ``few_row_linears`` is ``wrap``'s option (CPU linear layers in the orientation measured faster).
     """
 
     def __init__(
@@ -407,7 +407,9 @@ class Engine:
         """Compile every step shape the engine can use (``step_shapes``) now, so that no
         request ever waits on a compile; returns the seconds it took (also in ``stats()``).
 
-        Each shape runs one forward over scratch rows (zeros as tokens), then the rows are freed:
+        Each shape runs one forward over scratch rows (zeros as tokens), keeping every decode
+        row's logits (so few-row linears measure their orientations for these row counts here,
+        not in a served step), then the rows are freed:
         the pool, the prefix cache and the counters are as they were. A chunk region is warmed
         with two chunks, since a lone chunk is attended by SDPA and compiles nothing.
         """
@@ -427,7 +429,7 @@ class Engine:
                 chunks = [(rows[-2], CHUNK_BLOCK), (rows[-1], tokens - CHUNK_BLOCK)]
             try:
                 plan = self.cache.begin_packed_step(rows[:decoding], chunks, decode_len, chunk_len, CHUNK_BLOCK)
-                self._forward([0] * plan.q_len, plan, [0])
+                self._forward([0] * plan.q_len, plan, list(range(max(decoding, 1))))  # LM head: every decode row
             finally:
                 for row in rows:
                     self.cache.free_sequence(row)

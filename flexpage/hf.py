@@ -79,10 +79,11 @@ def wrap(
     matmuls round differently from eager ones, so greedy tokens match the stock model only
     up to near-ties of the logits; on the default path they have matched it in every test.
 
-    ``few_row_linears`` (the default) computes the linear layers of paged forwards on the CPU
-    as ``(W @ x.T).T`` when they get 1-256 rows, which MKL runs up to 3x faster than
-    ``x @ W.T`` (``flexpage.linear``; last-bit differences, as paged attention has); the
-    model's plain forwards are untouched.
+    ``few_row_linears`` (the default) lets the linear layers of paged forwards on the CPU, when
+    they get 1-256 rows, take whichever of ``x @ W.T`` and ``(W @ x.T).T`` measured faster for
+    that weight shape and row count on this CPU (``flexpage.linear``: MKL's speeds differ by up
+    to 3-5x between the two, in opposite directions on AMD and Intel cores; last-bit
+    differences, as paged attention has); the model's plain forwards are untouched.
     """
     if getattr(model, "_flexpage", None) is not None:
         unwrap(model)
