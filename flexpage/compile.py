@@ -110,9 +110,16 @@ def _artifact_dir() -> Path:
 
 def _load(path: Path) -> Callable:
     import torch._guards as guards
+    from torch._inductor import config as inductor_config
 
+    # Loading a CPU graph makes inductor check every vector ISA the CPU's flags list by building
+    # and loading a probe library in a fresh Python process each (10 processes on AVX-512 cores).
+    # A saved graph was built and loaded with this cache's ISA by an earlier process, so the flags
+    # are trusted for the base ISAs while loading one (4 of those 10 processes; a warm Engine's
+    # build 3.5-3.9 -> 1.9-2.5 s), unless the user set ``cpp.vec_isa_ok`` either way.
+    trust_isa = {"cpp.vec_isa_ok": True} if inductor_config.cpp.vec_isa_ok is None else {}
     # Rebuilding the saved guards needs a tracing context (torch 2.13); we never evaluate them.
-    with open(path, "rb") as f, guards.tracing(guards.TracingContext(None)):
+    with open(path, "rb") as f, guards.tracing(guards.TracingContext(None)), inductor_config.patch(trust_isa):
         compiled = torch.compiler.load_compiled_function(f)
     compiled.disable_guard_check()
     return compiled
