@@ -67,8 +67,10 @@ class PagedLayer(CacheLayerMixin):
         flat = slots.reshape(-1).to(self.device)
         for pool, states in ((self.keys, key_states), (self.values, value_states)):
             b, h, q, d = states.shape
-            rows = states[0] if b == 1 else states.transpose(0, 1).reshape(h, b * q, d)
-            pool[0].index_copy_(1, flat, rows.to(pool.dtype))
+            rows = states if b == 1 else states.transpose(0, 1).reshape(1, h, b * q, d)
+            # Into the pool itself, not a view of it: inductor then writes a compiled forward's
+            # copy in place; through a view it copied the whole pool back every step.
+            pool.index_copy_(2, flat, rows.to(pool.dtype))
 
     def copy_page(self, src: int, dst: int, page_size: int) -> None:
         for pool in (self.keys, self.values):

@@ -130,3 +130,28 @@ def test_batch_step_that_cannot_claim_rows_leaks_none():
     with pytest.raises(OutOfPagesError, match="rows are in use"):
         cache.begin_batch_step([3, 3], q_len=3, positions=3)
     assert cache.page_table.active_rows == [0] and cache.batch_rows == [] and cache.get_seq_length() == 0
+
+
+def test_compiled_write_updates_the_pool_in_place():
+    """A compiled forward (``wrap(compile_decode=True)``) writes its tokens into the pools in
+    place: inductor allocates no pool-sized buffer to copy the pool back through."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from flexpage.cache import PagedLayer
+
+    layer = PagedLayer(1000, 2, D, torch.float32, torch.device("cpu"))  # 1000 slots: a size nothing else has
+
+    def write(slots, keys, values):
+        layer.write(slots, keys, values)
+        return layer.keys.sum()
+
+    keys, values = torch.randn(2, 2, 1, D), torch.randn(2, 2, 1, D)
+    _, code = run_and_get_code(torch.compile(write, fullgraph=True, dynamic=False), torch.tensor([[5], [700]]),
+                               keys, values)
+    buffers = re.findall(r"empty_strided_cpu\(\(([^)]*)\)", "\n".join(code))
+    assert buffers and not [shape for shape in buffers if "1000" in shape]  # only the small outputs
+    assert torch.equal(layer.keys[0, :, [5, 700]], keys[:, :, 0].transpose(0, 1))
+    assert torch.equal(layer.values[0, :, [5, 700]], values[:, :, 0].transpose(0, 1))
+    assert layer.keys[0, :, 6].abs().sum() == 0  # nothing else written
