@@ -112,6 +112,8 @@ def wrap(
         config = CompileConfig(fullgraph=False, dynamic=False, mode=None, options={"freezing": True})
         config._compile_all_devices = True  # transformers compiles on accelerators only, unless told
         model.generation_config.compile_config = config
+        if linears is not None:
+            linears.measure(max_batch_size)  # decode rows: one per sequence
     model.generate = types.MethodType(_paged_generate, model)
     model.prepare_inputs_for_generation = types.MethodType(_paged_prepare_inputs, model)
     return model

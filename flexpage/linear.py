@@ -55,6 +55,8 @@ def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     key = (weight.shape[0], weight.shape[1], bias is not None, 1 << (rows - 1).bit_length())
     transposed = faster_transposed.get(key)
     if transposed is None:
+        if torch.compiler.is_compiling():  # nothing to time while tracing: inductor's own GEMM
+            return F.linear(x, weight, bias)
         transposed = faster_transposed[key] = _transposed_is_faster(x, weight, bias)
     return transposed_linear(x, weight, bias) if transposed else F.linear(x, weight, bias)
 
@@ -74,7 +76,8 @@ class FewRowLinears:
     """Route ``model``'s plain ``nn.Linear`` layers through ``few_row_linear`` during the
     forwards ``is_paged(kwargs)`` accepts. Layers off the CPU, layers whose ``forward`` is
     already replaced on the instance (accelerate's offload hooks) and tensor-parallel (DTensor)
-    weights are left alone; so are compiled forwards (inductor chooses its own GEMMs)."""
+    weights are left alone. A compiled forward takes the orientation measured beforehand
+    (``measure``), else inductor's own GEMM."""
 
     def __init__(self, model: nn.Module, is_paged: Callable[[dict], bool]) -> None:
         self.active = False
@@ -91,6 +94,17 @@ class FewRowLinears:
             model.register_forward_hook(self._leave, always_call=True),
         ]
 
+    def measure(self, max_rows: int) -> None:
+        """Time both orientations now for every weight shape at each row bucket up to
+        ``max_rows``, so that a forward compiled later (``wrap(compile_decode=True)``, whose
+        decode forward is traced, not run) takes the faster one too."""
+        one_per_shape = {(layer.weight.shape, layer.bias is not None): layer for layer in self.layers}
+        with torch.no_grad():
+            for layer in one_per_shape.values():
+                for bucket in range((min(max_rows, MAX_ROWS) - 1).bit_length() + 1):
+                    x = torch.randn(1 << bucket, layer.in_features, dtype=layer.weight.dtype)
+                    few_row_linear(x, layer.weight, layer.bias)
+
     def remove(self) -> None:
         """Give every layer back its class's ``forward`` and drop the hooks."""
         for layer in self.layers:
@@ -100,7 +114,7 @@ class FewRowLinears:
         self.layers, self.active = [], False
 
     def _forward(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        if not torch.compiler.is_compiling() and self.active:
+        if self.active:
             return few_row_linear(x, layer.weight, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
 

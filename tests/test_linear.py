@@ -115,3 +115,25 @@ def test_layers_replaced_by_others_are_left_alone_and_the_option_turns_it_off():
     elsewhere, here = torch.nn.Linear(4, 4, device="meta"), torch.nn.Linear(4, 4)  # off the CPU: left alone
     assert FewRowLinears(torch.nn.Sequential(elsewhere, here), lambda kwargs: True).layers == [here]
     assert "forward" not in vars(elsewhere)
+
+
+@pytest.mark.parametrize("measured", [True, False])
+def test_a_compiled_forward_takes_the_orientation_measured_beforehand(monkeypatch, measured):
+    """``wrap(compile_decode=True)`` measures first (``measure``): its traced decode forward then
+    takes the faster orientation; with nothing measured a trace times nothing and takes F.linear."""
+    monkeypatch.setattr(linear, "faster_transposed", {})
+    monkeypatch.setattr(linear, "_transposed_is_faster", lambda x, w, b: True)
+    traced = []
+    monkeypatch.setattr(linear, "transposed_linear", lambda x, w, b: traced.append(x.shape) or transposed_linear(x, w, b))
+    model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.Linear(24, 24, bias=False))
+    linears = FewRowLinears(model, lambda kwargs: True)
+    if measured:
+        linears.measure(3)  # row buckets 1, 2, 4 of both weight shapes
+        assert linear.faster_transposed == {(24, n, b, r): True for n, b in ((16, True), (24, False)) for r in (1, 2, 4)}
+    x = torch.randn(2, 16)
+    out = torch.compile(model, fullgraph=True, dynamic=False)(x)
+    first, second = model
+    ref = F.linear(F.linear(x.double(), first.weight.double(), first.bias.double()), second.weight.double())
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    assert bool(traced) == measured
+    assert len(linear.faster_transposed) == (6 if measured else 0)
