@@ -83,7 +83,9 @@ def wrap(
     they get 1-256 rows, take whichever of ``x @ W.T`` and ``(W @ x.T).T`` measured faster for
     that weight shape and row count on this CPU (``flexpage.linear``: MKL's speeds differ by up
     to 3-5x between the two, in opposite directions on AMD and Intel cores; last-bit
-    differences, as paged attention has); the model's plain forwards are untouched.
+    differences, as paged attention has); the model's plain forwards are untouched. With
+    ``compile_decode`` both orientations are timed when wrapping (each weight shape at 1 to
+    ``max_batch_size`` rows, about a second), since the compiled decode forward is traced, not run.
     """
     if getattr(model, "_flexpage", None) is not None:
         unwrap(model)
