@@ -408,8 +408,8 @@ class Engine:
         request ever waits on a compile; returns the seconds it took (also in ``stats()``).
 
         Each shape runs one forward over scratch rows (zeros as tokens), keeping every decode
-        row's logits (so few-row linears measure their orientations for these row counts here,
-        not in a served step), then the rows are freed:
+        row's logits (so few-row linears start timing their orientations for these row counts
+        here), then the rows are freed:
         the pool, the prefix cache and the counters are as they were. A chunk region is warmed
         with two chunks, since a lone chunk is attended by SDPA and compiles nothing.
         """

@@ -7,10 +7,14 @@ different speeds, and which one wins depends on the CPU: on the AMD EPYC cores t
 first measured on, the transposed form was 1.3-3x faster over 2-16 rows (2 rows through a
 1536x512 weight: 0.44 -> 0.20 ms; through the 32000x512 LM head: 12.5 -> 3.8 ms); on an Intel
 Xeon (AVX-512) it is 2-5x *slower* over 1-8 rows (LM head, 2 rows: 1.4 -> 4.1 ms) and faster
-again at 16-32 (10.0 -> 5.0 ms). So ``few_row_linear`` measures both orientations the first
-time it meets a weight shape with a given number of rows (rounded up to a power of two), and
-uses the faster one from then on in this process. Results differ from ``F.linear``'s in the
-last bits where the transposed form wins, as paged attention's already do from SDPA's.
+again at 16-32 (10.0 -> 5.0 ms). So ``few_row_linear`` times both orientations, alternated,
+on the first calls that meet a weight shape with a given number of rows (rounded up to a power
+of two), and uses the faster one from then on in this process. The timed calls are the model's
+own, so each weight is as cold in cache as a forward leaves it: timing one weight in a loop keeps
+it hot, and on the AMD cores that picked the plain product for most layers at one row (24.3 ms
+per decoded token for ``llama-small``, against 18.1 ms with the choices timed in the forward).
+Results differ from ``F.linear``'s in the last bits where the transposed form wins, as paged
+attention's already do from SDPA's.
 ``FewRowLinears`` routes a model's ``nn.Linear`` layers through it for forwards through a paged
 cache only (a flag set by a hook on the model), so a wrapped model's plain forward (scoring,
 training) stays bit-for-bit the stock one.
@@ -18,7 +22,6 @@ training) stays bit-for-bit the stock one.
 
 from __future__ import annotations
 
-import math
 import time
 import types
 from typing import Any, Callable
@@ -28,10 +31,11 @@ import torch.nn.functional as F
 from torch import nn
 
 MAX_ROWS = 256  # above this the products cost the same both ways and the transposing copy is pure cost
-TRIALS = 3  # timed calls of each orientation, alternated, when a (weight shape, row bucket) is first met
+TRIALS = 4  # calls timed in each orientation, alternated, before a (weight shape, row bucket) is decided
 
-# (out_features, in_features, has bias, row bucket) -> whether the transposed form measured faster
-faster_transposed: dict[tuple[int, int, bool, int], bool] = {}
+Key = tuple[int, int, bool, int]  # (out_features, in_features, has bias, row bucket)
+faster_transposed: dict[Key, bool] = {}  # decided keys -> whether the transposed form was faster
+trials: dict[Key, tuple[list[float], list[float]]] = {}  # keys on trial -> seconds of (plain, transposed) calls
 
 
 def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -46,30 +50,39 @@ def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return out[:, :rows].t().contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
+def row_key(rows: int, weight: torch.Tensor, bias: torch.Tensor | None) -> Key:
+    """The key under which a product of ``rows`` rows through ``weight`` is decided."""
+    return weight.shape[0], weight.shape[1], bias is not None, 1 << (rows - 1).bit_length()
+
+
 def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for float32 CPU inputs of 1..``MAX_ROWS`` rows in the
-    orientation measured faster for this weight shape and row bucket; otherwise ``F.linear``."""
+    orientation measured faster for this weight shape and row bucket (timing this very call while
+    that is undecided); otherwise ``F.linear``."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not 1 <= rows <= MAX_ROWS or x.device.type != "cpu" or not x.dtype == weight.dtype == torch.float32:
         return F.linear(x, weight, bias)
-    key = (weight.shape[0], weight.shape[1], bias is not None, 1 << (rows - 1).bit_length())
+    key = row_key(rows, weight, bias)
     transposed = faster_transposed.get(key)
     if transposed is None:
         if torch.compiler.is_compiling():  # nothing to time while tracing: inductor's own GEMM
             return F.linear(x, weight, bias)
-        transposed = faster_transposed[key] = _transposed_is_faster(x, weight, bias)
+        return _timed(key, x, weight, bias)
     return transposed_linear(x, weight, bias) if transposed else F.linear(x, weight, bias)
 
 
-def _transposed_is_faster(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Time both orientations on these very inputs, alternated, best of ``TRIALS`` each."""
-    best = {F.linear: math.inf, transposed_linear: math.inf}
-    for _ in range(TRIALS):
-        for product in best:
-            start = time.perf_counter()
-            product(x, weight, bias)
-            best[product] = min(best[product], time.perf_counter() - start)
-    return best[transposed_linear] < best[F.linear]
+def _timed(key: Key, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The product in the orientation ``key`` has timed fewer calls of, timed; once each has
+    ``TRIALS`` calls the one with the fastest call is decided for ``key``."""
+    plain, transposed = trials.setdefault(key, ([], []))
+    use_transposed = len(transposed) < len(plain)
+    start = time.perf_counter()
+    out = transposed_linear(x, weight, bias) if use_transposed else F.linear(x, weight, bias)
+    (transposed if use_transposed else plain).append(time.perf_counter() - start)
+    if len(transposed) == TRIALS:
+        faster_transposed[key] = min(transposed) < min(plain)
+        del trials[key]
+    return out
 
 
 class FewRowLinears:
@@ -95,15 +108,17 @@ class FewRowLinears:
         ]
 
     def measure(self, max_rows: int) -> None:
-        """Time both orientations now for every weight shape at each row bucket up to
-        ``max_rows``, so that a forward compiled later (``wrap(compile_decode=True)``, whose
-        decode forward is traced, not run) takes the faster one too."""
-        one_per_shape = {(layer.weight.shape, layer.bias is not None): layer for layer in self.layers}
+        """Decide now every weight shape's orientation at each row bucket up to ``max_rows``, for a
+        forward that cannot time its own calls (``wrap(compile_decode=True)``: its decode forward
+        is traced, not run): random rows go through the layers in model order, as in a forward
+        (each weight as cold in cache), sweep after sweep until every such key is decided."""
+        layers = [layer for layer in self.layers if layer.weight.dtype == torch.float32]
         with torch.no_grad():
-            for layer in one_per_shape.values():
-                for bucket in range((min(max_rows, MAX_ROWS) - 1).bit_length() + 1):
-                    x = torch.randn(1 << bucket, layer.in_features, dtype=layer.weight.dtype)
-                    few_row_linear(x, layer.weight, layer.bias)
+            for bucket in range((min(max_rows, MAX_ROWS) - 1).bit_length() + 1):
+                for _ in range(2 * TRIALS):  # a weight shape met once per sweep is decided after the last
+                    for layer in layers:
+                        if row_key(1 << bucket, layer.weight, layer.bias) not in faster_transposed:
+                            few_row_linear(torch.randn(1 << bucket, layer.in_features), layer.weight, layer.bias)
 
     def remove(self) -> None:
         """Give every layer back its class's ``forward`` and drop the hooks."""

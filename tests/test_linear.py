@@ -36,35 +36,34 @@ def test_few_row_linear_takes_non_contiguous_rows():
                                rtol=1e-5, atol=1e-5)
 
 
-def test_orientation_is_measured_once_per_weight_shape_and_row_bucket(monkeypatch):
-    measured = []
-    monkeypatch.setattr(linear, "faster_transposed", {})
-    monkeypatch.setattr(linear, "_transposed_is_faster", lambda x, w, b: measured.append(x.shape[0]) or len(measured) % 2 == 1)
-    weight, other = torch.randn(32, 16), torch.randn(48, 16)
-    for rows in [3, 4, 3, 1, 5, 8, 4, 1]:  # buckets 4, 4, 4, 1, 8, 8, 4, 1
-        x = torch.randn(rows, 16)
-        out = few_row_linear(x, weight, None)
-        torch.testing.assert_close(out, x @ weight.t(), rtol=1e-5, atol=1e-5)
-    few_row_linear(torch.randn(3, 16), other, None)  # another weight shape: measured anew
-    few_row_linear(torch.randn(3, 16), weight, torch.randn(32))  # with a bias: a different product
-    few_row_linear(torch.randn(MAX_ROWS + 1, 16), weight, None)  # past MAX_ROWS: F.linear, nothing measured
-    assert measured == [3, 1, 5, 3, 3]
-    assert linear.faster_transposed == {(32, 16, False, 4): True, (32, 16, False, 1): False,
-                                        (32, 16, False, 8): True, (48, 16, False, 4): False, (32, 16, True, 4): True}
+def _slowed(product):
+    def run(*args):
+        time.sleep(0.003)
+        return product(*args)
+    return run
 
 
 @pytest.mark.parametrize("slow", ["F.linear", "transposed"])
-def test_measurement_picks_the_faster_product(monkeypatch, slow):
-    def slowed(product):
-        def run(*args):
-            time.sleep(0.005)
-            return product(*args)
-        return run
-    if slow == "F.linear":
-        monkeypatch.setattr(F, "linear", slowed(F.linear))
-    else:
-        monkeypatch.setattr(linear, "transposed_linear", slowed(transposed_linear))
-    assert linear._transposed_is_faster(torch.randn(2, 16), torch.randn(32, 16), None) == (slow == "F.linear")
+def test_orientation_is_timed_on_real_calls_then_kept_per_weight_shape_and_row_bucket(monkeypatch, slow):
+    monkeypatch.setattr(linear, "faster_transposed", {})
+    monkeypatch.setattr(linear, "trials", {})
+    used = []
+    plain, transposed = F.linear, transposed_linear
+    monkeypatch.setattr(F, "linear", lambda *args: used.append("F") or (_slowed(plain) if slow == "F.linear" else plain)(*args))
+    monkeypatch.setattr(linear, "transposed_linear",
+                        lambda *args: used.append("T") or (_slowed(transposed) if slow == "transposed" else transposed)(*args))
+    weight = torch.randn(32, 16)
+    for rows in [3, 4, 3, 4, 4, 3, 4, 3, 2, 4, 3]:  # bucket 4 eight times (on trial), then decided; 2 is its own
+        x = torch.randn(rows, 16)
+        torch.testing.assert_close(few_row_linear(x, weight, None), x @ weight.t(), rtol=1e-5, atol=1e-5)
+    faster = "T" if slow == "F.linear" else "F"
+    assert used == ["F", "T"] * linear.TRIALS + ["F", faster, faster]  # the bucket-2 call opens its own trial
+    assert linear.faster_transposed == {(32, 16, False, 4): slow == "F.linear"}
+    assert list(linear.trials) == [(32, 16, False, 2)]
+    used.clear()
+    few_row_linear(torch.randn(3, 16), weight, torch.randn(32))  # with a bias: another product, on trial anew
+    few_row_linear(torch.randn(MAX_ROWS + 1, 16), weight, None)  # past MAX_ROWS: F.linear, nothing timed
+    assert used == ["F", "F"] and len(linear.trials) == 2
 
 
 def _recording(model):
@@ -122,18 +121,21 @@ def test_a_compiled_forward_takes_the_orientation_measured_beforehand(monkeypatc
     """``wrap(compile_decode=True)`` measures first (``measure``): its traced decode forward then
     takes the faster orientation; with nothing measured a trace times nothing and takes F.linear."""
     monkeypatch.setattr(linear, "faster_transposed", {})
-    monkeypatch.setattr(linear, "_transposed_is_faster", lambda x, w, b: True)
-    traced = []
-    monkeypatch.setattr(linear, "transposed_linear", lambda x, w, b: traced.append(x.shape) or transposed_linear(x, w, b))
+    monkeypatch.setattr(linear, "trials", {})
     model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.Linear(24, 24, bias=False))
     linears = FewRowLinears(model, lambda kwargs: True)
     if measured:
-        linears.measure(3)  # row buckets 1, 2, 4 of both weight shapes
+        with monkeypatch.context() as slow:
+            slow.setattr(F, "linear", _slowed(F.linear))
+            linears.measure(3)  # row buckets 1, 2, 4 of both weight shapes, each met once per sweep
         assert linear.faster_transposed == {(24, n, b, r): True for n, b in ((16, True), (24, False)) for r in (1, 2, 4)}
+        assert not linear.trials
+    traced = []
+    monkeypatch.setattr(linear, "transposed_linear", lambda x, w, b: traced.append(x.shape) or transposed_linear(x, w, b))
     x = torch.randn(2, 16)
     out = torch.compile(model, fullgraph=True, dynamic=False)(x)
     first, second = model
     ref = F.linear(F.linear(x.double(), first.weight.double(), first.bias.double()), second.weight.double())
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     assert bool(traced) == measured
-    assert len(linear.faster_transposed) == (6 if measured else 0)
+    assert len(linear.faster_transposed) == (6 if measured else 0) and not linear.trials
