@@ -102,7 +102,8 @@ def _code_version() -> str:
     return digest.hexdigest()[:16]
 
 
-def _artifact_dir() -> Path:
+def artifact_dir() -> Path:
+    """Where flexpage keeps what it measured or compiled ahead of time: inductor's cache folder."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return Path(cache_dir()) / "flexpage"
@@ -181,7 +182,7 @@ class StaticCompiled(Generic[F]):
         name = f"{self.fn.__module__}.{self.fn.__qualname__}"
         full = (signature(args), signature(kwargs), *_global_state())
         digest = hashlib.sha256(f"{_code_version()}|{name}|{_portable(full)}".encode()).hexdigest()[:24]
-        path = _artifact_dir() / f"{self.fn.__qualname__}-{digest}.bin"
+        path = artifact_dir() / f"{self.fn.__qualname__}-{digest}.bin"
         self.graphs += 1
         if path.exists():
             try:

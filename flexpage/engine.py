@@ -132,7 +132,7 @@ class Engine:
     engine on every rank; requests enter on rank 0, which broadcasts them (over ``tp_group``, a
     gloo group by default) so every rank takes the same steps; the other ranks call ``follow()``
     until rank 0 calls ``close()``. ``check_ranks`` compares every step's plan across ranks.
-    ``few_row_linears`` is ``wrap``'s option (CPU linear layers in the orientation measured faster).
+    ``few_row_linears`` is ``wrap``'s option (CPU linear layers through the GEMM measured fastest).
     """
 
     def __init__(
@@ -408,7 +408,7 @@ class Engine:
         request ever waits on a compile; returns the seconds it took (also in ``stats()``).
 
         Each shape runs one forward over scratch rows (zeros as tokens), keeping every decode
-        row's logits (so few-row linears start timing their orientations for these row counts
+        row's logits (so the linear layers start timing their kernels for these row counts
         here), then the rows are freed:
         the pool, the prefix cache and the counters are as they were. A chunk region is warmed
         with two chunks, since a lone chunk is attended by SDPA and compiles nothing.

@@ -80,12 +80,13 @@ def wrap(
     up to near-ties of the logits; on the default path they have matched it in every test.
 
     ``few_row_linears`` (the default) lets the linear layers of paged forwards on the CPU, when
-    they get 1-256 rows, take whichever of ``x @ W.T`` and ``(W @ x.T).T`` measured faster for
-    that weight shape and row count on this CPU (``flexpage.linear``: MKL's speeds differ by up
-    to 3-5x between the two, in opposite directions on AMD and Intel cores; last-bit
+    they get 1-4096 rows, take whichever of MKL's ``x @ W.T``, MKL's ``(W @ x.T).T`` and oneDNN's
+    matmul measured fastest for that weight shape and row count on this CPU (``flexpage.linear``:
+    speeds differ by 2-5x between them, in opposite directions on AMD and Intel cores; last-bit
     differences, as paged attention has); the model's plain forwards are untouched. With
-    ``compile_decode`` both orientations are timed when wrapping (each weight shape at 1 to
-    ``max_batch_size`` rows, about a second), since the compiled decode forward is traced, not run.
+    ``compile_decode`` the kernels are timed when wrapping (each weight shape at 1 to
+    ``max_batch_size`` rows, a second or two), since the compiled decode forward is traced, not
+    run; it takes the faster of the two MKL forms (inductor cannot trace oneDNN's on a plain weight).
     """
     if getattr(model, "_flexpage", None) is not None:
         unwrap(model)

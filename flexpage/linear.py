@@ -1,20 +1,19 @@
-"""Linear layers fed a few rows (a decode step's tokens), in whichever orientation the CPU's BLAS
-is faster at for them.
+"""Linear layers of paged forwards through whichever CPU GEMM is fastest for their shape.
 
-In a decode step every linear layer multiplies a handful of rows (one per sequence) by its
-weight. MKL (float32) computes ``x @ W.T`` and the same product taken as ``(W @ x.T).T`` at very
-different speeds, and which one wins depends on the CPU: on the AMD EPYC cores this project was
-first measured on, the transposed form was 1.3-3x faster over 2-16 rows (2 rows through a
-1536x512 weight: 0.44 -> 0.20 ms; through the 32000x512 LM head: 12.5 -> 3.8 ms); on an Intel
-Xeon (AVX-512) it is 2-5x *slower* over 1-8 rows (LM head, 2 rows: 1.4 -> 4.1 ms) and faster
-again at 16-32 (10.0 -> 5.0 ms). So ``few_row_linear`` times both orientations, alternated,
-on the first calls that meet a weight shape with a given number of rows (rounded up to a power
-of two), and uses the faster one from then on in this process. The timed calls are the model's
-own, so each weight is as cold in cache as a forward leaves it: timing one weight in a loop keeps
-it hot, and on the AMD cores that picked the plain product for most layers at one row (24.3 ms
-per decoded token for ``llama-small``, against 18.1 ms with the choices timed in the forward).
-Results differ from ``F.linear``'s in the last bits where the transposed form wins, as paged
-attention's already do from SDPA's.
+A paged step multiplies every linear layer's weight by a few rows (a decode step: one per
+sequence) or a few hundred (a prefill chunk). On the CPU the same float32 product runs at very
+different speeds through different kernels, and which one wins depends on the CPU and the row
+count: MKL's ``x @ W.T``, MKL's ``(W @ x.T).T`` (on the AMD EPYC cores this project is measured
+on, 1.3-3x faster than ``x @ W.T`` at 2-16 rows; on an Intel Xeon 2-5x *slower* at 1-8 rows),
+and oneDNN's matmul on the weight as it is (on the AMD EPYC cores, ``llama-small``'s weights
+swept in model order: 16 rows 26.6 -> 21.1 ms, 32 rows 37.6 -> 25.1, 256 rows 195 -> 116 against
+the better MKL form; MKL takes a slower path on AMD CPUs than on Intel's). So ``fast_linear``
+times the kernels, alternated, on the first calls that meet a weight shape with a given number of
+rows (rounded up to a power of two), and uses the fastest from then on in this process. The timed
+calls are the model's own, so each weight is as cold in cache as a forward leaves it: timing one
+weight in a loop keeps it hot, and on the AMD cores that picked the slower kernel for most layers
+at one row (24.3 ms per decoded token for ``llama-small``, against 18.1 ms timed in the forward).
+Results differ from ``F.linear``'s in the last bits, as paged attention's already do from SDPA's.
 ``FewRowLinears`` routes a model's ``nn.Linear`` layers through it for forwards through a paged
 cache only (a flag set by a hook on the model), so a wrapped model's plain forward (scoring,
 training) stays bit-for-bit the stock one.
@@ -22,20 +21,34 @@ training) stays bit-for-bit the stock one.
 
 from __future__ import annotations
 
+import functools
+import json
+import os
+import platform
+import tempfile
 import time
 import types
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-MAX_ROWS = 256  # above this the products cost the same both ways and the transposing copy is pure cost
-TRIALS = 4  # calls timed in each orientation, alternated, before a (weight shape, row bucket) is decided
+from .compile import artifact_dir
 
-Key = tuple[int, int, bool, int]  # (out_features, in_features, has bias, row bucket)
-faster_transposed: dict[Key, bool] = {}  # decided keys -> whether the transposed form was faster
-trials: dict[Key, tuple[list[float], list[float]]] = {}  # keys on trial -> seconds of (plain, transposed) calls
+MAX_ROWS = 4096  # a prefill's rows; above, F.linear untimed (row buckets stay few)
+TRIALS = 4  # calls timed with each kernel, alternated, before a (weight shape, row bucket) is decided
+
+Key = tuple[int, int, bool, int, int]  # (out_features, in_features, has bias, row bucket, threads)
+Kernel = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+ranking: dict[Key, tuple[str, ...]] = {}  # decided keys -> kernel names, fastest first
+trials: dict[Key, dict[str, list[float]]] = {}  # keys on trial -> seconds of each kernel's timed calls
+
+
+def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear``: the model's own product (MKL's ``x @ W.T`` on x86 CPUs)."""
+    return F.linear(x, weight, bias)
 
 
 def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -50,47 +63,121 @@ def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return out[:, :rows].t().contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` by oneDNN's matmul, on the weight as it is (no packed copy).
+    Eager and without autograd only: inductor cannot trace it on an unpacked weight."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+KERNELS: dict[str, Kernel] = {"plain": plain_linear, "transposed": transposed_linear}
+if torch.backends.mkldnn.is_available():
+    KERNELS["onednn"] = onednn_linear
+TRACEABLE = ("plain", "transposed")  # the kernels a compiled forward can take
+
+
 def row_key(rows: int, weight: torch.Tensor, bias: torch.Tensor | None) -> Key:
-    """The key under which a product of ``rows`` rows through ``weight`` is decided."""
-    return weight.shape[0], weight.shape[1], bias is not None, 1 << (rows - 1).bit_length()
+    """The key under which a product of ``rows`` rows through ``weight`` is decided (on as many
+    threads as torch uses now)."""
+    return weight.shape[0], weight.shape[1], bias is not None, 1 << (rows - 1).bit_length(), _threads()
 
 
-def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for float32 CPU inputs of 1..``MAX_ROWS`` rows in the
-    orientation measured faster for this weight shape and row bucket (timing this very call while
-    that is undecided); otherwise ``F.linear``."""
+@torch.compiler.assume_constant_result  # a trace takes the count it was traced at, as a constant
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for float32 CPU inputs of 1..``MAX_ROWS`` rows, without
+    autograd, through the kernel measured fastest for this weight shape and row bucket (timing
+    this very call while that is undecided); otherwise ``F.linear``. A compiled forward takes the
+    fastest traceable kernel measured beforehand, or ``F.linear`` if none was."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not 1 <= rows <= MAX_ROWS or x.device.type != "cpu" or not x.dtype == weight.dtype == torch.float32:
+    if (not 1 <= rows <= MAX_ROWS or x.device.type != "cpu" or not x.dtype == weight.dtype == torch.float32
+            or torch.is_grad_enabled()):
         return F.linear(x, weight, bias)
     key = row_key(rows, weight, bias)
-    transposed = faster_transposed.get(key)
-    if transposed is None:
-        if torch.compiler.is_compiling():  # nothing to time while tracing: inductor's own GEMM
-            return F.linear(x, weight, bias)
+    order = ranking.get(key)
+    if torch.compiler.is_compiling():  # nothing to time while tracing
+        name = next((name for name in order or () if name in TRACEABLE), "plain")
+        return KERNELS[name](x, weight, bias)
+    if order is None:
         return _timed(key, x, weight, bias)
-    return transposed_linear(x, weight, bias) if transposed else F.linear(x, weight, bias)
+    return KERNELS[order[0]](x, weight, bias)
 
 
 def _timed(key: Key, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The product in the orientation ``key`` has timed fewer calls of, timed; once each has
-    ``TRIALS`` calls the one with the fastest call is decided for ``key``."""
-    plain, transposed = trials.setdefault(key, ([], []))
-    use_transposed = len(transposed) < len(plain)
+    """The product by the kernel ``key`` has timed fewest calls of, timed; once every kernel has
+    ``TRIALS`` calls ``key`` is decided, kernels ranked by their fastest call."""
+    times = trials.setdefault(key, {name: [] for name in KERNELS})
+    name = min(times, key=lambda name: len(times[name]))
     start = time.perf_counter()
-    out = transposed_linear(x, weight, bias) if use_transposed else F.linear(x, weight, bias)
-    (transposed if use_transposed else plain).append(time.perf_counter() - start)
-    if len(transposed) == TRIALS:
-        faster_transposed[key] = min(transposed) < min(plain)
+    out = KERNELS[name](x, weight, bias)
+    times[name].append(time.perf_counter() - start)
+    if all(len(seconds) == TRIALS for seconds in times.values()):
+        ranking[key] = tuple(sorted(times, key=lambda name: min(times[name])))
         del trials[key]
+        save_rankings()
     return out
 
 
+@functools.cache
+def cpu_model() -> str:
+    """The CPU's model name (Linux; elsewhere what ``platform`` knows), which decides which GEMM
+    kernels win on it."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            name = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), None)
+    except OSError:
+        name = None
+    return name or platform.processor() or platform.machine()
+
+
+def rankings_file() -> Path:
+    """Where decided rankings are kept between processes: next to flexpage's saved graphs."""
+    return artifact_dir() / "linear-kernels.json"
+
+
+def _machine() -> str:
+    return f"{cpu_model()} | torch {torch.__version__} | {', '.join(KERNELS)}"
+
+
+def load_rankings() -> None:
+    """Take the rankings an earlier process decided on this CPU with this torch (an autotuning
+    cache: a new process then times nothing it already knows; delete the file to re-measure)."""
+    try:
+        saved = json.loads(rankings_file().read_text()).get(_machine(), {})
+    except (OSError, ValueError):
+        return
+    for key, names in saved.items():
+        out, inp, bias, bucket, threads = (int(part) for part in key.split(","))
+        if sorted(names) == sorted(KERNELS):
+            ranking.setdefault((out, inp, bool(bias), bucket, threads), tuple(names))
+
+
+def save_rankings() -> None:
+    """Merge this process's rankings into the rankings file (atomically: processes may share it)."""
+    path = rankings_file()
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        saved = {}
+    mine = saved.setdefault(_machine(), {})
+    mine.update({",".join(str(int(part)) for part in key): list(names) for key, names in ranking.items()})
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+            json.dump(saved, f)
+        os.replace(f.name, path)
+    except OSError:  # a read-only cache folder: rankings are measured again by the next process
+        pass
+
+
 class FewRowLinears:
-    """Route ``model``'s plain ``nn.Linear`` layers through ``few_row_linear`` during the
+    """Route ``model``'s plain ``nn.Linear`` layers through ``fast_linear`` during the
     forwards ``is_paged(kwargs)`` accepts. Layers off the CPU, layers whose ``forward`` is
     already replaced on the instance (accelerate's offload hooks) and tensor-parallel (DTensor)
-    weights are left alone. A compiled forward takes the orientation measured beforehand
-    (``measure``), else inductor's own GEMM."""
+    weights are left alone. A compiled forward takes the traceable kernel measured fastest
+    beforehand (``measure``), else inductor's own GEMM."""
 
     def __init__(self, model: nn.Module, is_paged: Callable[[dict], bool]) -> None:
         self.active = False
@@ -102,23 +189,25 @@ class FewRowLinears:
         ]
         for layer in self.layers:
             layer.forward = types.MethodType(self._forward, layer)
+        if self.layers:
+            load_rankings()
         self._hooks = [
             model.register_forward_pre_hook(self._enter, with_kwargs=True),
             model.register_forward_hook(self._leave, always_call=True),
         ]
 
     def measure(self, max_rows: int) -> None:
-        """Decide now every weight shape's orientation at each row bucket up to ``max_rows``, for a
+        """Decide now every weight shape's kernel at each row bucket up to ``max_rows``, for a
         forward that cannot time its own calls (``wrap(compile_decode=True)``: its decode forward
         is traced, not run): random rows go through the layers in model order, as in a forward
         (each weight as cold in cache), sweep after sweep until every such key is decided."""
         layers = [layer for layer in self.layers if layer.weight.dtype == torch.float32]
         with torch.no_grad():
             for bucket in range((min(max_rows, MAX_ROWS) - 1).bit_length() + 1):
-                for _ in range(2 * TRIALS):  # a weight shape met once per sweep is decided after the last
+                for _ in range(len(KERNELS) * TRIALS):  # a shape met once per sweep is decided after the last
                     for layer in layers:
-                        if row_key(1 << bucket, layer.weight, layer.bias) not in faster_transposed:
-                            few_row_linear(torch.randn(1 << bucket, layer.in_features), layer.weight, layer.bias)
+                        if row_key(1 << bucket, layer.weight, layer.bias) not in ranking:
+                            fast_linear(torch.randn(1 << bucket, layer.in_features), layer.weight, layer.bias)
 
     def remove(self) -> None:
         """Give every layer back its class's ``forward`` and drop the hooks."""
@@ -130,7 +219,7 @@ class FewRowLinears:
 
     def _forward(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if self.active:
-            return few_row_linear(x, layer.weight, layer.bias)
+            return fast_linear(x, layer.weight, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
 
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:

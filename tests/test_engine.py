@@ -59,15 +59,15 @@ def test_mixed_workload_matches_stock(expected):
 
 
 def test_warmup_compiles_every_step_shape_so_serving_compiles_nothing(stock_llama, monkeypatch):
-    monkeypatch.setattr(linear, "faster_transposed", {})
+    monkeypatch.setattr(linear, "ranking", {})
     monkeypatch.setattr(linear, "trials", {})
     engine = make_engine(max_tokens_per_step=256)  # warm-up runs in the constructor
     # decode regions of 2+ rows: on CPU a lone decode token and every prefill chunk take SDPA
     assert engine.step_shapes() == [(2, 0), (4, 0), (8, 0)]
-    # ... and the linear layers met each decode region's rows: their orientations are being timed
-    met = set(linear.faster_transposed) | set(linear.trials)
+    # ... and the linear layers met each decode region's rows: their kernels are being timed
+    met = set(linear.ranking) | set(linear.trials)
     for layer in (engine.model.lm_head, engine.model.model.layers[0].mlp.down_proj):
-        assert {(*layer.weight.shape, False, rows) for rows in (2, 4, 8)} <= met
+        assert {(*layer.weight.shape, False, rows, torch.get_num_threads()) for rows in (2, 4, 8)} <= met
     assert engine.stats().warmup_seconds > 0 and engine.stats().steps == 0
     pt = engine.cache.page_table
     assert pt.num_free_pages == pt.num_pages and not pt.active_rows  # scratch rows and pages given back

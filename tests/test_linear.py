@@ -1,6 +1,7 @@
-"""Few-row linear layers: the same product as F.linear, in the orientation measured faster, used
-only inside paged forwards."""
+"""Linear layers of paged forwards: the same product as F.linear, through the CPU kernel measured
+fastest, used only inside paged forwards."""
 
+import json
 import time
 
 import pytest
@@ -9,61 +10,101 @@ import torch.nn.functional as F
 
 import flexpage
 from flexpage import linear, zoo
-from flexpage.linear import MAX_ROWS, FewRowLinears, few_row_linear, transposed_linear
+from flexpage.linear import MAX_ROWS, FewRowLinears, fast_linear, onednn_linear, transposed_linear
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (2, 64), (3, 5, 64), (1, 8, 64), (MAX_ROWS, 64), (MAX_ROWS + 1, 64)])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("product", ["transposed", "measured"])
-def test_few_row_linear_equals_float64_reference(shape, bias, product):
+@pytest.mark.parametrize("product", [transposed_linear, onednn_linear, fast_linear])
+def test_every_kernel_equals_a_float64_reference(shape, bias, product):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, generator=g)
     out_features = 96
     weight = torch.randn(out_features, 64, generator=g)
     b = torch.randn(out_features, generator=g) if bias else None
-    out = (transposed_linear if product == "transposed" else few_row_linear)(x, weight, b)
+    with torch.no_grad():  # fast_linear picks a kernel only where no gradient is recorded
+        out = product(x, weight, b)
     ref = F.linear(x.double(), weight.double(), None if b is None else b.double())
     assert out.shape == (*shape[:-1], out_features) and out.dtype == torch.float32 and out.is_contiguous()
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
     assert out.view(-1, out_features).shape[0] == x.numel() // 64  # callers reshape the output with view()
 
 
-def test_few_row_linear_takes_non_contiguous_rows():
+@pytest.mark.parametrize("product", [transposed_linear, onednn_linear])
+def test_kernels_take_non_contiguous_rows(product):
     x = torch.randn(32, 40).t()[:, :24]  # 40 rows of 24 features, column-major and sliced
     assert not x.is_contiguous()
     weight = torch.randn(16, 24)
-    torch.testing.assert_close(transposed_linear(x, weight, None).double(), F.linear(x.double(), weight.double()),
+    torch.testing.assert_close(product(x, weight, None).double(), F.linear(x.double(), weight.double()),
                                rtol=1e-5, atol=1e-5)
 
 
-def _slowed(product):
+def _slowed(product, seconds=0.003):
     def run(*args):
-        time.sleep(0.003)
+        time.sleep(seconds)
         return product(*args)
     return run
 
 
-@pytest.mark.parametrize("slow", ["F.linear", "transposed"])
-def test_orientation_is_timed_on_real_calls_then_kept_per_weight_shape_and_row_bucket(monkeypatch, slow):
-    monkeypatch.setattr(linear, "faster_transposed", {})
+@pytest.fixture
+def fresh_choices(monkeypatch, tmp_path):
+    """No kernel decided or on trial, the kernels' table restorable, rankings saved apart."""
+    monkeypatch.setattr(linear, "ranking", {})
     monkeypatch.setattr(linear, "trials", {})
+    monkeypatch.setattr(linear, "KERNELS", dict(linear.KERNELS))
+    monkeypatch.setattr(linear, "rankings_file", lambda: tmp_path / "linear-kernels.json")
+
+
+@pytest.mark.parametrize("fast", list(linear.KERNELS))
+def test_kernels_are_timed_on_real_calls_then_kept_per_weight_shape_and_row_bucket(fresh_choices, fast):
+    names = list(linear.KERNELS)
     used = []
-    plain, transposed = F.linear, transposed_linear
-    monkeypatch.setattr(F, "linear", lambda *args: used.append("F") or (_slowed(plain) if slow == "F.linear" else plain)(*args))
-    monkeypatch.setattr(linear, "transposed_linear",
-                        lambda *args: used.append("T") or (_slowed(transposed) if slow == "transposed" else transposed)(*args))
-    weight = torch.randn(32, 16)
-    for rows in [3, 4, 3, 4, 4, 3, 4, 3, 2, 4, 3]:  # bucket 4 eight times (on trial), then decided; 2 is its own
-        x = torch.randn(rows, 16)
-        torch.testing.assert_close(few_row_linear(x, weight, None), x @ weight.t(), rtol=1e-5, atol=1e-5)
-    faster = "T" if slow == "F.linear" else "F"
-    assert used == ["F", "T"] * linear.TRIALS + ["F", faster, faster]  # the bucket-2 call opens its own trial
-    assert linear.faster_transposed == {(32, 16, False, 4): slow == "F.linear"}
-    assert list(linear.trials) == [(32, 16, False, 2)]
+    for name, kernel in list(linear.KERNELS.items()):
+        timed = kernel if name == fast else _slowed(kernel)
+        linear.KERNELS[name] = lambda *args, name=name, timed=timed: used.append(name) or timed(*args)
+    weight, threads = torch.randn(32, 16), torch.get_num_threads()
+    calls = [3, 4] * (len(names) * linear.TRIALS // 2) + [4, 3, 2, 4, 3]  # bucket 4: on trial, then decided
+    with torch.no_grad():
+        for rows in calls:
+            x = torch.randn(rows, 16)
+            torch.testing.assert_close(fast_linear(x, weight, None), x @ weight.t(), rtol=1e-5, atol=1e-5)
+    assert used == names * linear.TRIALS + [fast, fast, names[0], fast, fast]  # the bucket-2 call opens its own trial
+    assert list(linear.ranking) == [(32, 16, False, 4, threads)] and linear.ranking[(32, 16, False, 4, threads)][0] == fast
+    assert sorted(linear.ranking[(32, 16, False, 4, threads)]) == sorted(names)
+    assert list(linear.trials) == [(32, 16, False, 2, threads)]
+    decided = dict(linear.ranking)
     used.clear()
-    few_row_linear(torch.randn(3, 16), weight, torch.randn(32))  # with a bias: another product, on trial anew
-    few_row_linear(torch.randn(MAX_ROWS + 1, 16), weight, None)  # past MAX_ROWS: F.linear, nothing timed
-    assert used == ["F", "F"] and len(linear.trials) == 2
+    with torch.no_grad():
+        fast_linear(torch.randn(3, 16), weight, torch.randn(32))  # with a bias: another product, on trial anew
+        fast_linear(torch.randn(MAX_ROWS + 1, 16), weight, None)  # past MAX_ROWS: F.linear, nothing timed
+    fast_linear(torch.randn(3, 16, requires_grad=True), weight, None)  # recording gradients: F.linear, untimed
+    assert used == [names[0]] and len(linear.trials) == 2
+    # a new process on this CPU and torch starts from what was decided; other thread counts are apart
+    linear.ranking.clear()
+    linear.load_rankings()
+    assert linear.ranking == decided
+    with torch.no_grad():
+        torch.set_num_threads(threads + 1)
+        try:
+            fast_linear(torch.randn(4, 16), weight, None)
+        finally:
+            torch.set_num_threads(threads)
+    assert used == [names[0], names[0]] and (32, 16, False, 4, threads + 1) in linear.trials
+
+
+def test_rankings_of_another_cpu_or_a_broken_file_are_not_taken(fresh_choices):
+    path = linear.rankings_file()
+    key = "8,4,0,2," + str(torch.get_num_threads())
+    path.write_text(json.dumps({"Another CPU | torch 0 | plain, transposed": {key: ["transposed", "plain"]}}))
+    linear.load_rankings()
+    assert linear.ranking == {}
+    path.write_text("{not json")
+    linear.load_rankings()
+    assert linear.ranking == {}
+    linear.ranking[(8, 4, False, 2, torch.get_num_threads())] = tuple(reversed(linear.KERNELS))
+    linear.save_rankings()  # a broken file is replaced
+    saved = json.loads(path.read_text())
+    assert list(saved) == [linear._machine()] and saved[linear._machine()] == {key: list(reversed(linear.KERNELS))}
 
 
 def _recording(model):
@@ -117,25 +158,26 @@ def test_layers_replaced_by_others_are_left_alone_and_the_option_turns_it_off():
 
 
 @pytest.mark.parametrize("measured", [True, False])
-def test_a_compiled_forward_takes_the_orientation_measured_beforehand(monkeypatch, measured):
+def test_a_compiled_forward_takes_the_traceable_kernel_measured_fastest(fresh_choices, measured):
     """``wrap(compile_decode=True)`` measures first (``measure``): its traced decode forward then
-    takes the faster orientation; with nothing measured a trace times nothing and takes F.linear."""
-    monkeypatch.setattr(linear, "faster_transposed", {})
-    monkeypatch.setattr(linear, "trials", {})
+    takes the fastest kernel inductor can trace (MKL's transposed form here: oneDNN's, faster, is
+    eager-only); with nothing measured a trace times nothing and takes F.linear."""
     model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.Linear(24, 24, bias=False))
     linears = FewRowLinears(model, lambda kwargs: True)
     if measured:
-        with monkeypatch.context() as slow:
-            slow.setattr(F, "linear", _slowed(F.linear))
-            linears.measure(3)  # row buckets 1, 2, 4 of both weight shapes, each met once per sweep
-        assert linear.faster_transposed == {(24, n, b, r): True for n, b in ((16, True), (24, False)) for r in (1, 2, 4)}
+        linear.KERNELS["plain"] = _slowed(linear.KERNELS["plain"], 0.006)
+        linear.KERNELS["transposed"] = _slowed(linear.KERNELS["transposed"], 0.002)
+        linears.measure(3)  # row buckets 1, 2, 4 of both weight shapes, each met once per sweep
+        assert linear.ranking == {(24, n, b, r, torch.get_num_threads()): ("onednn", "transposed", "plain")
+                                  for n, b in ((16, True), (24, False)) for r in (1, 2, 4)}
         assert not linear.trials
     traced = []
-    monkeypatch.setattr(linear, "transposed_linear", lambda x, w, b: traced.append(x.shape) or transposed_linear(x, w, b))
+    linear.KERNELS["transposed"] = lambda x, w, b: traced.append(x.shape) or transposed_linear(x, w, b)
     x = torch.randn(2, 16)
-    out = torch.compile(model, fullgraph=True, dynamic=False)(x)
+    with torch.no_grad():
+        out = torch.compile(model, fullgraph=True, dynamic=False)(x)
     first, second = model
     ref = F.linear(F.linear(x.double(), first.weight.double(), first.bias.double()), second.weight.double())
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     assert bool(traced) == measured
-    assert len(linear.faster_transposed) == (6 if measured else 0) and not linear.trials
+    assert len(linear.ranking) == (6 if measured else 0) and not linear.trials

@@ -23,6 +23,8 @@ from typing import Callable
 import torch
 from transformers import LogitsProcessor
 
+from ..linear import cpu_model
+
 
 def matmul_probe_ms(size: int = 256, repeats: int = 5) -> float:
     """Median time of a fixed small matmul: a yardstick for how fast the machine is right now."""
@@ -149,15 +151,6 @@ class PeakMemory:
         return (self.peak - self.start) / 2**20
 
 
-def _cpu_model() -> str | None:
-    """The CPU's model name (Linux), which decides which BLAS kernels win on it."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), None)
-    except OSError:
-        return None
-
-
 def machine_info() -> dict:
     import transformers
 
@@ -166,7 +159,7 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "platform": platform.platform(),
-        "processor": _cpu_model() or platform.processor() or platform.machine(),
+        "processor": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
