@@ -7,9 +7,10 @@ count: MKL's ``x @ W.T``, MKL's ``(W @ x.T).T`` (on the AMD EPYC cores this proj
 on, 1.3-3x faster than ``x @ W.T`` at 2-16 rows; on an Intel Xeon 2-5x *slower* at 1-8 rows),
 and oneDNN's matmul on the weight as it is (on the AMD EPYC cores, ``llama-small``'s weights
 swept in model order: 16 rows 26.6 -> 21.1 ms, 32 rows 37.6 -> 25.1, 256 rows 195 -> 116 against
-the better MKL form; MKL takes a slower path on AMD CPUs than on Intel's). So ``fast_linear``
+the better MKL form; MKL reaches about 57 of ~190 GFLOP/s there at 16 rows). So ``fast_linear``
 times the kernels, alternated, on the first calls that meet a weight shape with a given number of
-rows (rounded up to a power of two), and uses the fastest from then on in this process. The timed
+rows (rounded up to a power of two), and uses the fastest from then on, in this process and, through
+``rankings_file()``, in later ones on this CPU with this torch. The timed
 calls are the model's own, so each weight is as cold in cache as a forward leaves it: timing one
 weight in a loop keeps it hot, and on the AMD cores that picked the slower kernel for most layers
 at one row (24.3 ms per decoded token for ``llama-small``, against 18.1 ms timed in the forward).
