@@ -146,13 +146,16 @@ def load_rankings() -> None:
     """Take the rankings an earlier process decided on this CPU with this torch (an autotuning
     cache: a new process then times nothing it already knows; delete the file to re-measure)."""
     try:
-        saved = json.loads(rankings_file().read_text()).get(_machine(), {})
-    except (OSError, ValueError):
+        saved = json.loads(rankings_file().read_text())[_machine()]
+        found = {}
+        for key, names in saved.items():
+            out, inp, bias, bucket, threads = (int(part) for part in key.split(","))
+            if sorted(names) == sorted(KERNELS):
+                found[out, inp, bool(bias), bucket, threads] = tuple(names)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none saved, or not ours to read
         return
-    for key, names in saved.items():
-        out, inp, bias, bucket, threads = (int(part) for part in key.split(","))
-        if sorted(names) == sorted(KERNELS):
-            ranking.setdefault((out, inp, bool(bias), bucket, threads), tuple(names))
+    for key, names in found.items():
+        ranking.setdefault(key, names)
 
 
 def save_rankings() -> None:
@@ -162,6 +165,8 @@ def save_rankings() -> None:
         saved = json.loads(path.read_text())
     except (OSError, ValueError):
         saved = {}
+    if not isinstance(saved, dict) or not isinstance(saved.get(_machine(), {}), dict):
+        saved = {}  # a file not in this format is replaced
     mine = saved.setdefault(_machine(), {})
     mine.update({",".join(str(int(part)) for part in key): list(names) for key, names in ranking.items()})
     try:

@@ -98,9 +98,10 @@ def test_rankings_of_another_cpu_or_a_broken_file_are_not_taken(fresh_choices):
     path.write_text(json.dumps({"Another CPU | torch 0 | plain, transposed": {key: ["transposed", "plain"]}}))
     linear.load_rankings()
     assert linear.ranking == {}
-    path.write_text("{not json")
-    linear.load_rankings()
-    assert linear.ranking == {}
+    for broken in ("{not json", json.dumps({linear._machine(): {"8,4": ["plain"]}}), json.dumps([1])):
+        path.write_text(broken)
+        linear.load_rankings()
+        assert linear.ranking == {}
     linear.ranking[(8, 4, False, 2, torch.get_num_threads())] = tuple(reversed(linear.KERNELS))
     linear.save_rankings()  # a broken file is replaced
     saved = json.loads(path.read_text())
