@@ -3,6 +3,8 @@ generate(), with continuous batching, ragged steps, chunked prefill and preempti
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -67,7 +69,7 @@ def test_warmup_compiles_every_step_shape_so_serving_compiles_nothing(stock_llam
     # ... and the linear layers met each decode region's rows: their kernels are being timed
     met = set(linear.ranking) | set(linear.trials)
     for layer in (engine.model.lm_head, engine.model.model.layers[0].mlp.down_proj):
-        assert {(*layer.weight.shape, False, rows, torch.get_num_threads()) for rows in (2, 4, 8)} <= met
+        assert {(*layer.weight.shape, False, rows, torch.get_num_threads(), False) for rows in (2, 4, 8)} <= met
     assert engine.stats().warmup_seconds > 0 and engine.stats().steps == 0
     pt = engine.cache.page_table
     assert pt.num_free_pages == pt.num_pages and not pt.active_rows  # scratch rows and pages given back
@@ -79,6 +81,41 @@ def test_warmup_compiles_every_step_shape_so_serving_compiles_nothing(stock_llam
     assert (8, 0) in make_engine(max_batch_size=6).step_shapes()  # a decode bucket wider than the rows warms up too
     # soft-capped scores (Gemma 2) have no SDPA path: chunk regions compile, in power-of-two buckets
     assert make_engine("gemma2", warmup=False, max_tokens_per_step=256).step_shapes()[:3] == [(0, 64), (0, 128), (0, 256)]
+
+
+def test_packed_weights_change_no_token(expected, monkeypatch, tmp_path):
+    """``pack_weights``: oneDNN on packed copies of the weights (made the fastest kernel here by
+    slowing the others) serves the same greedy tokens; an in-place weight change is followed."""
+    monkeypatch.setattr(linear, "ranking", {})
+    monkeypatch.setattr(linear, "trials", {})
+    monkeypatch.setattr(linear, "rankings_file", lambda: tmp_path / "linear-kernels.json")
+    monkeypatch.setattr(linear, "KERNELS", dict(linear.KERNELS))
+    used = []
+    for name, kernel in list(linear.KERNELS.items()):
+        def run(*args, name=name, kernel=kernel):
+            used.append(name)
+            if name != "onednn_packed":
+                time.sleep(0.001)
+            return kernel(*args)
+        linear.KERNELS[name] = run
+    engine = make_engine(pack_weights=True)
+    used.clear()
+    known = set(linear.ranking)
+    assert engine.generate(workload(), max_new_tokens=list(NEW_TOKENS)) == expected
+    assert all(ranking[0] == "onednn_packed" for key, ranking in linear.ranking.items() if key[-1])
+    # the other kernels ran only in the trials of row counts warm-up never met (prefill chunks)
+    tried = (set(linear.ranking) | set(linear.trials)) - known
+    assert 0 < len(used) - used.count("onednn_packed") <= (len(linear.KERNELS) - 2) * linear.TRIALS * len(tried)
+    lm_head = engine.model.lm_head
+    with torch.no_grad():
+        lm_head.weight.neg_()  # every greedy token changes: the packed copy must follow
+    stock = zoo.build("llama-tiny")
+    with torch.no_grad():
+        stock.lm_head.weight.neg_()
+    prompt = workload()[1]
+    assert engine.generate([prompt], max_new_tokens=6) == [stock_greedy(stock, prompt, 6)]
+    with pytest.raises(ValueError, match="few_row_linears"):
+        make_engine(pack_weights=True, few_row_linears=False, warmup=False)
 
 
 def test_a_lone_request_decodes_one_token_per_step(stock_llama):

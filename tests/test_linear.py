@@ -10,12 +10,16 @@ import torch.nn.functional as F
 
 import flexpage
 from flexpage import linear, zoo
-from flexpage.linear import MAX_ROWS, FewRowLinears, fast_linear, onednn_linear, transposed_linear
+from flexpage.linear import MAX_ROWS, FewRowLinears, fast_linear, onednn_linear, pack_weight, transposed_linear
+
+
+def packed_onednn_linear(x, weight, bias):
+    return onednn_linear(x, pack_weight(weight, 4), bias)
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (2, 64), (3, 5, 64), (1, 8, 64), (MAX_ROWS, 64), (MAX_ROWS + 1, 64)])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("product", [transposed_linear, onednn_linear, fast_linear])
+@pytest.mark.parametrize("product", [transposed_linear, onednn_linear, packed_onednn_linear, fast_linear])
 def test_every_kernel_equals_a_float64_reference(shape, bias, product):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, generator=g)
@@ -30,7 +34,7 @@ def test_every_kernel_equals_a_float64_reference(shape, bias, product):
     assert out.view(-1, out_features).shape[0] == x.numel() // 64  # callers reshape the output with view()
 
 
-@pytest.mark.parametrize("product", [transposed_linear, onednn_linear])
+@pytest.mark.parametrize("product", [transposed_linear, onednn_linear, packed_onednn_linear])
 def test_kernels_take_non_contiguous_rows(product):
     x = torch.randn(32, 40).t()[:, :24]  # 40 rows of 24 features, column-major and sliced
     assert not x.is_contiguous()
@@ -55,9 +59,9 @@ def fresh_choices(monkeypatch, tmp_path):
     monkeypatch.setattr(linear, "rankings_file", lambda: tmp_path / "linear-kernels.json")
 
 
-@pytest.mark.parametrize("fast", list(linear.KERNELS))
+@pytest.mark.parametrize("fast", linear.candidates(packed=False))
 def test_kernels_are_timed_on_real_calls_then_kept_per_weight_shape_and_row_bucket(fresh_choices, fast):
-    names = list(linear.KERNELS)
+    names = list(linear.candidates(packed=False))
     used = []
     for name, kernel in list(linear.KERNELS.items()):
         timed = kernel if name == fast else _slowed(kernel)
@@ -69,9 +73,10 @@ def test_kernels_are_timed_on_real_calls_then_kept_per_weight_shape_and_row_buck
             x = torch.randn(rows, 16)
             torch.testing.assert_close(fast_linear(x, weight, None), x @ weight.t(), rtol=1e-5, atol=1e-5)
     assert used == names * linear.TRIALS + [fast, fast, names[0], fast, fast]  # the bucket-2 call opens its own trial
-    assert list(linear.ranking) == [(32, 16, False, 4, threads)] and linear.ranking[(32, 16, False, 4, threads)][0] == fast
-    assert sorted(linear.ranking[(32, 16, False, 4, threads)]) == sorted(names)
-    assert list(linear.trials) == [(32, 16, False, 2, threads)]
+    assert list(linear.ranking) == [(32, 16, False, 4, threads, False)]
+    assert linear.ranking[(32, 16, False, 4, threads, False)][0] == fast
+    assert sorted(linear.ranking[(32, 16, False, 4, threads, False)]) == sorted(names)
+    assert list(linear.trials) == [(32, 16, False, 2, threads, False)]
     decided = dict(linear.ranking)
     used.clear()
     with torch.no_grad():
@@ -89,12 +94,12 @@ def test_kernels_are_timed_on_real_calls_then_kept_per_weight_shape_and_row_buck
             fast_linear(torch.randn(4, 16), weight, None)
         finally:
             torch.set_num_threads(threads)
-    assert used == [names[0], names[0]] and (32, 16, False, 4, threads + 1) in linear.trials
+    assert used == [names[0], names[0]] and (32, 16, False, 4, threads + 1, False) in linear.trials
 
 
 def test_rankings_of_another_cpu_or_a_broken_file_are_not_taken(fresh_choices):
     path = linear.rankings_file()
-    key = "8,4,0,2," + str(torch.get_num_threads())
+    key = f"8,4,0,2,{torch.get_num_threads()},0"
     path.write_text(json.dumps({"Another CPU | torch 0 | plain, transposed": {key: ["transposed", "plain"]}}))
     linear.load_rankings()
     assert linear.ranking == {}
@@ -102,10 +107,44 @@ def test_rankings_of_another_cpu_or_a_broken_file_are_not_taken(fresh_choices):
         path.write_text(broken)
         linear.load_rankings()
         assert linear.ranking == {}
-    linear.ranking[(8, 4, False, 2, torch.get_num_threads())] = tuple(reversed(linear.KERNELS))
+    order = tuple(reversed(linear.candidates(packed=False)))
+    linear.ranking[(8, 4, False, 2, torch.get_num_threads(), False)] = order
     linear.save_rankings()  # a broken file is replaced
     saved = json.loads(path.read_text())
-    assert list(saved) == [linear._machine()] and saved[linear._machine()] == {key: list(reversed(linear.KERNELS))}
+    assert list(saved) == [linear._machine()] and saved[linear._machine()] == {key: list(order)}
+
+
+def test_packed_copies_are_taken_once_and_follow_the_weights(fresh_choices):
+    """``pack_rows``: each float32 layer keeps one packed copy, used by the packed kernel, packed
+    again when its weight is changed in place or replaced, and dropped by ``remove``."""
+    first, second = torch.nn.Linear(16, 24), torch.nn.Linear(24, 8, bias=False)
+    model = torch.nn.Sequential(first, second)
+    linears = FewRowLinears(model, lambda kwargs: True, pack_rows=4)
+    copies = [linears.packed(layer) for layer in (first, second)]
+    assert all(copy.is_mkldnn for copy in copies) and linears.packed(first) is copies[0]  # not packed again
+    for name in linear.candidates(packed=False):
+        linear.KERNELS[name] = _slowed(linear.KERNELS[name])  # the packed kernel wins every trial
+
+    def check():
+        x = torch.randn(3, 16)
+        with torch.no_grad():
+            for _ in range(len(linear.KERNELS) * linear.TRIALS):
+                out = model(x)
+        ref = F.linear(F.linear(x.double(), first.weight.double(), first.bias.double()), second.weight.double())
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+    check()
+    assert {names[0] for key, names in linear.ranking.items()} == {"onednn_packed"}
+    assert {key[-1] for key in linear.ranking} == {True}
+    with torch.no_grad():
+        first.weight.mul_(-2)  # in place (as load_state_dict, an optimizer step)
+    second.weight = torch.nn.Parameter(torch.randn(8, 24))  # replaced
+    check()
+    assert linears.packed(first) is not copies[0] and linears.packed(second) is not copies[1]
+    linears.remove()
+    assert not linears._packed
+    with pytest.raises(ValueError, match="few_row_linears"):
+        flexpage.wrap(zoo.build("llama-tiny"), pack_weights=True, few_row_linears=False)
 
 
 def _recording(model):
@@ -169,7 +208,7 @@ def test_a_compiled_forward_takes_the_traceable_kernel_measured_fastest(fresh_ch
         linear.KERNELS["plain"] = _slowed(linear.KERNELS["plain"], 0.006)
         linear.KERNELS["transposed"] = _slowed(linear.KERNELS["transposed"], 0.002)
         linears.measure(3)  # row buckets 1, 2, 4 of both weight shapes, each met once per sweep
-        assert linear.ranking == {(24, n, b, r, torch.get_num_threads()): ("onednn", "transposed", "plain")
+        assert linear.ranking == {(24, n, b, r, torch.get_num_threads(), False): ("onednn", "transposed", "plain")
                                   for n, b in ((16, True), (24, False)) for r in (1, 2, 4)}
         assert not linear.trials
     traced = []

@@ -10,7 +10,8 @@ from pathlib import Path
 from notebook_runner import run_notebook
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = {"flexpage_engine", "flexpage_engine_first_run", "flexpage_engine_stock_linears", "stock_padded_b1", "stock_padded_b4", "stock_continuous_batching"}
+CONFIGS = {"flexpage_engine", "flexpage_engine_first_run", "flexpage_engine_stock_linears", "flexpage_engine_packed",
+           "stock_padded_b1", "stock_padded_b4", "stock_continuous_batching"}
 COLUMNS = {"seconds", "generated_tokens", "tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p99_s",
            "speedup_vs_best_padded"}
 

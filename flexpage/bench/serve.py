@@ -54,7 +54,7 @@ def server_command(kind: str, model_dir: str, port: int, args: argparse.Namespac
     if kind == "flexpage":
         return [sys.executable, "-m", "flexpage.cli", "serve", model_dir, "--port", str(port), "--served-model-name",
                 "model", "--max-batch-size", str(args.max_batch_size), "--max-cached-tokens",
-                str(args.max_cached_tokens), "--max-waiting", "100000"]
+                str(args.max_cached_tokens), "--max-waiting", "100000"] + ["--pack-weights"] * args.pack_weights
     transformers_cli = os.path.join(os.path.dirname(sys.executable), "transformers")  # installed with transformers
     return [transformers_cli, "serve", model_dir, "--port", str(port),
             "--host", "127.0.0.1", "--continuous-batching", "--device", "cpu", "--dtype", "float32"]
@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--max-batch-size", type=int, default=32, help="flexpage's Engine")
     parser.add_argument("--max-cached-tokens", type=int, default=32768, help="flexpage's Engine")
+    parser.add_argument("--pack-weights", action="store_true", help="flexpage's Engine: packed weights (2x memory)")
     parser.add_argument("--point-timeout", type=float, default=600, help="seconds a request may take")
     parser.add_argument("--start-timeout", type=float, default=900, help="seconds a server may take to start")
     parser.add_argument("--seed", type=int, default=0)
@@ -202,7 +203,8 @@ def main(argv: list[str] | None = None) -> None:
                     rows.append({"server": kind, "mode": "start", "value": 0, "failures": 1, "first_error": str(error)})
     meta = {"machine": machine_info(), "model": args.model, "command": " ".join(sys.argv),
             "input_len": args.input_len, "output_len": args.output_len, "requests_per_point": args.requests,
-            "flexpage": {"max_batch_size": args.max_batch_size, "max_cached_tokens": args.max_cached_tokens},
+            "flexpage": {"max_batch_size": args.max_batch_size, "max_cached_tokens": args.max_cached_tokens,
+                         "pack_weights": args.pack_weights},
             "transformers": "transformers serve --continuous-batching (defaults)"}
     stem = os.path.join(out_dir(args), args.name)
     write_records(stem, rows, meta)

@@ -15,7 +15,9 @@ slots, averaged over steps), peak pages, preemptions. The Engine runs the worklo
 and reports both: the engine compiles every step shape when it is built (``warmup_s``), so
 its first run is served without compiling (``flexpage_engine_first_run``). A second engine
 built with ``few_row_linears=False`` (``flexpage_engine_stock_linears``) runs the model's own
-linear layers, so the ratio shows what the paged batching gives alone. Stock configurations get a short warm-up call. A small matmul probe runs between
+linear layers, so the ratio shows what the paged batching gives alone; a third with
+``pack_weights=True`` (``flexpage_engine_packed``, after one unrecorded run that decides its
+kernels) reads packed copies of the weights through oneDNN. Stock configurations get a short warm-up call. A small matmul probe runs between
 cells; a cell whose probe after it is ``--probe-tolerance`` x slower than the best probe seen
 ran during one of these VMs' slow spells and is run again (twice at most; ``remeasured``).
 
@@ -164,19 +166,23 @@ def main(argv: list[str] | None = None) -> None:
         args.requests, args.prompt_range, args.output_range = 8, [16, 200], [4, 24]
         args.batch_sizes, args.engine_batch, args.max_tokens_per_step, args.max_cached_tokens = [1, 4], 8, 128, 4096
 
-    stock, paged = fixed_length_model(args.model, args.device), fixed_length_model(args.model, args.device)
-    paged_stock_linears = fixed_length_model(args.model, args.device)
+    stock = fixed_length_model(args.model, args.device)
     prompts, outputs = make_workload(args.requests, args.prompt_range, args.output_range, stock.config.vocab_size,
                                      args.seed)
-    engine = flexpage.Engine(paged, page_size=args.page_size, max_cached_tokens=args.max_cached_tokens,
-                             max_batch_size=args.engine_batch, max_tokens_per_step=args.max_tokens_per_step)
+
+    def build_engine(**options) -> flexpage.Engine:
+        return flexpage.Engine(fixed_length_model(args.model, args.device), page_size=args.page_size,
+                               max_cached_tokens=args.max_cached_tokens, max_batch_size=args.engine_batch,
+                               max_tokens_per_step=args.max_tokens_per_step, **options)
+
+    engine = build_engine()
     warmup = engine.stats().warmup_seconds  # every step shape, compiled when the engine was built
     # the same engine with the model's own linear layers: how much of the ratio few-row linears give
-    engine_stock_linears = flexpage.Engine(
-        paged_stock_linears, page_size=args.page_size, max_cached_tokens=args.max_cached_tokens,
-        max_batch_size=args.engine_batch, max_tokens_per_step=args.max_tokens_per_step, few_row_linears=False)
+    engine_stock_linears = build_engine(few_row_linears=False)
+    engine_packed = build_engine(pack_weights=True)
     stock.generate(torch.tensor([prompts[0][:16]], device=stock.device), max_new_tokens=2, pad_token_id=0)  # warm-up
     first_run, _ = run_engine(engine, prompts, outputs, "flexpage_engine_first_run")
+    run_engine(engine_packed, prompts, outputs)  # its kernels decided (the packed ones are timed apart)
 
     records, errors = [], {}
     probes = [matmul_probe_ms()]
@@ -197,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     records += [record, first_run]
     records.append(measured(lambda: run_engine(engine_stock_linears, prompts, outputs,
                                                "flexpage_engine_stock_linears"))[0])
+    records.append(measured(lambda: run_engine(engine_packed, prompts, outputs, "flexpage_engine_packed"))[0])
     for batch_size in args.batch_sizes:
         records.append(measured(lambda b=batch_size: run_padded(stock, prompts, outputs, b)))
     try:

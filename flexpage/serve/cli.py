@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens-per-step", type=int, default=512, help="tokens fed per step")
     parser.add_argument("--max-waiting", type=int, default=256, help="queued requests before answering 429")
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--pack-weights", action="store_true",
+                        help="keep oneDNN-packed copies of the CPU weights: faster batched decode, 2x weight memory")
     parser.add_argument("--tp-size", type=int, default=1,
                         help="tensor-parallel ranks (run under torchrun; MODEL must be a local directory)")
     args = parser.parse_args(argv)
@@ -61,7 +63,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"flexpage serve needs the serve extra: pip install 'flexpage[serve]' ({error})")
     engine = Engine(zoo.load(args.model, **load_options), page_size=args.page_size,
                     max_cached_tokens=args.max_cached_tokens, max_batch_size=args.max_batch_size,
-                    max_tokens_per_step=args.max_tokens_per_step, prefix_caching=not args.no_prefix_caching)
+                    max_tokens_per_step=args.max_tokens_per_step, prefix_caching=not args.no_prefix_caching,
+                    pack_weights=args.pack_weights)
     if engine.ranks is not None and not engine.ranks.leader:
         engine.follow()  # until rank 0's server stops
         return
