@@ -5,6 +5,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 BIN = Path(sys.executable).parent
 
@@ -22,3 +23,11 @@ def test_quick_serve_benchmark_against_transformers_serve(tmp_path):
         for key in ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "itl_p99_s"):
             assert math.isfinite(r[key]) and r[key] > 0, (key, r)
     assert (tmp_path / "serve.png").stat().st_size > 0
+
+
+def test_the_packed_flexpage_server_is_started_with_packed_weights():
+    from flexpage.bench.serve import server_command
+
+    args = SimpleNamespace(max_batch_size=8, max_cached_tokens=2048)
+    packed, plain = (server_command(kind, "dir", 1234, args) for kind in ("flexpage_packed", "flexpage"))
+    assert packed == plain + ["--pack-weights"] and "serve" in plain and "dir" in plain

@@ -8,6 +8,7 @@ request throughput, output tokens/s, TTFT / TPOT / ITL p50 and p99, failures.
 
     flexpage bench serve              # llama-small, rates 0.25..4 req/s, concurrency 1/4/16
     flexpage bench serve --quick      # llama-tiny, a few requests per point, for CI
+    flexpage bench serve --servers flexpage flexpage_packed transformers   # also with --pack-weights
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from flexpage import zoo
 from flexpage.bench.measure import (
     add_run_arguments, caption, finish_axes, machine_info, out_dir, save_figure, stop_process, write_records)
 
-SERVERS = ("flexpage", "transformers")
+SERVERS = ("flexpage", "flexpage_packed", "transformers")  # flexpage_packed: flexpage serve --pack-weights
 
 
 @dataclass
@@ -51,10 +52,10 @@ def free_port() -> int:
 
 
 def server_command(kind: str, model_dir: str, port: int, args: argparse.Namespace) -> list[str]:
-    if kind == "flexpage":
+    if kind.startswith("flexpage"):
         return [sys.executable, "-m", "flexpage.cli", "serve", model_dir, "--port", str(port), "--served-model-name",
                 "model", "--max-batch-size", str(args.max_batch_size), "--max-cached-tokens",
-                str(args.max_cached_tokens), "--max-waiting", "100000"] + ["--pack-weights"] * args.pack_weights
+                str(args.max_cached_tokens), "--max-waiting", "100000"] + ["--pack-weights"] * (kind == "flexpage_packed")
     transformers_cli = os.path.join(os.path.dirname(sys.executable), "transformers")  # installed with transformers
     return [transformers_cli, "serve", model_dir, "--port", str(port),
             "--host", "127.0.0.1", "--continuous-batching", "--device", "cpu", "--dtype", "float32"]
@@ -170,7 +171,7 @@ async def load_server(kind: str, model_dir: str, args: argparse.Namespace, promp
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     zoo.add_model_argument(parser)
-    parser.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
+    parser.add_argument("--servers", nargs="+", choices=SERVERS, default=["flexpage", "transformers"])
     parser.add_argument("--rates", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0, 4.0], help="requests/s")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="closed-loop clients")
     parser.add_argument("--requests", type=int, default=32, help="requests per point")
@@ -178,7 +179,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--max-batch-size", type=int, default=32, help="flexpage's Engine")
     parser.add_argument("--max-cached-tokens", type=int, default=32768, help="flexpage's Engine")
-    parser.add_argument("--pack-weights", action="store_true", help="flexpage's Engine: packed weights (2x memory)")
     parser.add_argument("--point-timeout", type=float, default=600, help="seconds a request may take")
     parser.add_argument("--start-timeout", type=float, default=900, help="seconds a server may take to start")
     parser.add_argument("--seed", type=int, default=0)
@@ -203,8 +203,7 @@ def main(argv: list[str] | None = None) -> None:
                     rows.append({"server": kind, "mode": "start", "value": 0, "failures": 1, "first_error": str(error)})
     meta = {"machine": machine_info(), "model": args.model, "command": " ".join(sys.argv),
             "input_len": args.input_len, "output_len": args.output_len, "requests_per_point": args.requests,
-            "flexpage": {"max_batch_size": args.max_batch_size, "max_cached_tokens": args.max_cached_tokens,
-                         "pack_weights": args.pack_weights},
+            "flexpage": {"max_batch_size": args.max_batch_size, "max_cached_tokens": args.max_cached_tokens},
             "transformers": "transformers serve --continuous-batching (defaults)"}
     stem = os.path.join(out_dir(args), args.name)
     write_records(stem, rows, meta)
