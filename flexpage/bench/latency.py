@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.lengths, args.new_tokens, args.repeats = [64, 256], 8, 2
 
-    max_len = max(args.lengths) + args.new_tokens
+    max_len = -(-(max(args.lengths) + args.new_tokens) // args.page_size) * args.page_size  # whole pages per row
     configs = {k: v for k, v in build_configs(args.model, args.batch * max_len, args.page_size, args.device).items()
                if k in args.configs}
     vocab = next(iter(configs.values()))[0].config.vocab_size
