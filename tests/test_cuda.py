@@ -51,6 +51,7 @@ def test_wrap_greedy_matches_stock_on_cuda(arch):
     paged = flexpage.wrap(zoo.build(f"{arch}-tiny").cuda(), max_cached_tokens=4096)
     assert torch.equal(greedy(paged, ids, mask, 24), greedy(stock, ids, mask, 24))
     assert all(layer.keys.is_cuda for layer in paged._flexpage.cache.layers)
+    assert paged._flexpage.cache.page_size == 16  # the default off the CPU: FlexAttention's smallest CUDA tile
 
 
 def test_engine_mixed_workload_on_cuda():

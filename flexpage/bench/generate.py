@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     zoo.add_model_argument(parser)
     parser.add_argument("--prompt-lengths", type=int, nargs="+", default=[24, 100, 300])
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--page-size", type=int, default=None, help="tokens per page (default: wrap's, 64 on CPU)")
     parser.add_argument("--max-cached-tokens", type=int, default=8192)
     args = parser.parse_args(argv)
 

@@ -46,19 +46,21 @@ def kv_bytes_per_token(config, dtype_bytes: int) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype_bytes
 
 
-def build_configs(model_name: str, max_len: int, page_size: int, device: str = "cpu"):
-    """name -> (model, extra generate kwargs, kv bytes reserved(length)), every model on ``device``."""
+def build_configs(model_name: str, max_len: int, page_size: int | None, device: str = "cpu"):
+    """name -> (model, extra generate kwargs, kv bytes reserved(length)), every model on ``device``;
+    ``page_size`` None: each of wrap and Engine takes its own default."""
     def load(**kwargs):
         return zoo.load(model_name, **kwargs).to(device)
 
+    pages = {} if page_size is None else {"page_size": page_size}
     stock = load()
     per_token = kv_bytes_per_token(stock.config, 4)
-    paged = flexpage.wrap(load(), page_size=page_size, max_cached_tokens=max_len)
-    paged_stock_linears = flexpage.wrap(load(), page_size=page_size, max_cached_tokens=max_len, few_row_linears=False)
-    compiled_paged = flexpage.wrap(load(), page_size=page_size, max_cached_tokens=max_len, compile_decode=True)
+    paged = flexpage.wrap(load(), max_cached_tokens=max_len, **pages)
+    paged_stock_linears = flexpage.wrap(load(), max_cached_tokens=max_len, few_row_linears=False, **pages)
+    compiled_paged = flexpage.wrap(load(), max_cached_tokens=max_len, compile_decode=True, **pages)
     pool_bytes = sum(layer.keys.numel() * 2 * layer.keys.element_size() for layer in paged._flexpage.cache.layers)
-    engine = flexpage.Engine(load(), page_size=page_size, max_cached_tokens=max_len,
-                             max_batch_size=8, max_tokens_per_step=512, prefix_caching=False)  # repeats recompute
+    engine = flexpage.Engine(load(), max_cached_tokens=max_len, max_batch_size=8, max_tokens_per_step=512,
+                             prefix_caching=False, **pages)  # repeats recompute
     flex = load(attn_implementation="flex_attention")
     compiled = CompileConfig(fullgraph=False, dynamic=False)
     compiled._compile_all_devices = True  # transformers only auto-compiles on accelerators otherwise
@@ -114,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
-    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--page-size", type=int, default=None,
+                        help="tokens per page (default: wrap's and the Engine's own defaults)")
     parser.add_argument("--device", default="cpu", help="where the models run (cpu, cuda, ...)")
     parser.add_argument("--no-cache-budget", type=float, default=20.0,
                         help="seconds: stock_no_cache stops at the first length whose call takes longer")
@@ -125,7 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.lengths, args.new_tokens, args.repeats = [64, 256], 8, 2
 
-    max_len = -(-(max(args.lengths) + args.new_tokens) // args.page_size) * args.page_size  # whole pages per row
+    largest_page = args.page_size or flexpage.hf.CPU_PAGE_SIZE
+    max_len = -(-(max(args.lengths) + args.new_tokens) // largest_page) * largest_page  # whole pages per row
     configs = {k: v for k, v in build_configs(args.model, args.batch * max_len, args.page_size, args.device).items()
                if k in args.configs}
     vocab = next(iter(configs.values()))[0].config.vocab_size
@@ -178,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
             records.append(record)
     progress.close()
     meta = {"machine": machine_info(), "model": args.model, "batch": args.batch, "new_tokens": args.new_tokens,
-            "repeats": args.repeats, "page_size": args.page_size, "dtype": "float32", "device": args.device,
+            "repeats": args.repeats, "page_size": args.page_size or "defaults", "dtype": "float32", "device": args.device,
             "dropped": dropped, "command": " ".join(sys.argv)}
     stem = os.path.join(out_dir(args), args.name)
     write_records(stem, records, meta)
