@@ -78,7 +78,8 @@ def wrap(
     returns. ``max_seq_len`` caps one sequence (default: the whole pool). Returns the same
     model object. Raises ``UnsupportedModelError`` for models flexpage cannot serve exactly.
     ``page_size`` (tokens per page) defaults to 64 when every layer runs on the CPU (where
-    attention over many sequences runs faster over fewer, larger KV blocks), else 16.
+    attention over many sequences runs faster over fewer, larger KV blocks) and the pool holds a
+    page of 64, else 16.
 
     ``compile_decode=True`` lets ``generate`` compile the whole decode forward once (through
     transformers' own ``CompileConfig``, on every device, with inductor's weight freezing):
@@ -105,8 +106,9 @@ def wrap(
         unwrap(model)
     stock = check_supported(model)
     devices = _layer_devices(model)
-    if page_size is None:
-        page_size = CPU_PAGE_SIZE if all(device.type == "cpu" for device in devices) else PAGE_SIZE
+    if page_size is None:  # a pool smaller than one CPU page keeps 16-token pages
+        on_cpu = all(device.type == "cpu" for device in devices) and max_cached_tokens >= CPU_PAGE_SIZE
+        page_size = CPU_PAGE_SIZE if on_cpu else PAGE_SIZE
     if max_cached_tokens < page_size:
         raise ValueError(f"max_cached_tokens ({max_cached_tokens}) must hold at least one page of {page_size}")
     num_pages = cdiv(max_cached_tokens, page_size)

@@ -69,6 +69,7 @@ def test_sampling_eos_and_max_new_tokens_match_stock(paged_calls):
     stock = zoo.build("llama-tiny")
     paged = flexpage.wrap(zoo.build("llama-tiny"))
     assert paged._flexpage.cache.page_size == 64  # the default on CPU: larger KV blocks (16 elsewhere)
+    assert flexpage.wrap(zoo.build("llama-tiny"), max_cached_tokens=32)._flexpage.cache.page_size == 16  # 2 pages
     ids, mask = prompts()
     for seed in (0, 1):
         torch.manual_seed(seed)
