@@ -121,7 +121,13 @@ def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     order = ranking.get(key)
     if order is None:
         return _timed(key, x, weight, bias, packed)
-    return KERNELS[order[0]](x, packed if order[0] == "onednn_packed" else weight, bias)
+    return _run(order[0], x, weight, bias, packed)
+
+
+def _run(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+         packed: torch.Tensor | None) -> torch.Tensor:
+    """The product by kernel ``name``, which takes the packed copy where it is the packed kernel."""
+    return KERNELS[name](x, packed if name == "onednn_packed" else weight, bias)
 
 
 def _timed(key: Key, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -131,7 +137,7 @@ def _timed(key: Key, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     times = trials.setdefault(key, {name: [] for name in candidates(packed is not None)})
     name = min(times, key=lambda name: len(times[name]))
     start = time.perf_counter()
-    out = KERNELS[name](x, packed if name == "onednn_packed" else weight, bias)
+    out = _run(name, x, weight, bias, packed)
     times[name].append(time.perf_counter() - start)
     if all(len(seconds) == TRIALS for seconds in times.values()):
         ranking[key] = tuple(sorted(times, key=lambda name: min(times[name])))
