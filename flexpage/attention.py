@@ -224,8 +224,9 @@ def packed_attention(
     """Attention of a ragged step's packed ``query`` ``[1, Hq, T, D]`` over the pools.
 
     Each region is one compiled FlexAttention call: the decode tokens as a batch of one-token
-    rows (``[n, Hq, 1, D]``, each row listing its own pages, as a ``generate()`` decode step),
-    the prefill chunks in blocks of ``chunk_block`` tokens.
+    rows (``[n, Hq, 1, D]``, each row listing its own pages, as a ``generate()`` decode step,
+    padded here to the plan's ``decode_len`` rows), the prefill chunks in blocks of
+    ``chunk_block`` tokens.
     Where SDPA over a sequence's pages is the faster kernel (``sdpa_over_pages``), a lone
     decode token, and each prefill chunk in a call of its own, are attended that way instead.
     ``window`` and ``cap`` select the layer's variant (sliding window, logit soft-cap).
@@ -237,23 +238,24 @@ def packed_attention(
             f"a packed step takes a query of shape (1, heads, {plan.q_len}, dim), got {tuple(query.shape)}"
         )
     outputs = []
-    if plan.decode_len == len(plan.decode_rows) == 1 and sdpa_over_pages(query.device, cap, 1):
+    decoded = plan.num_decode
+    if plan.decode_len == decoded == 1 and sdpa_over_pages(query.device, cap, 1):
         outputs.append(sequence_attention(query[:, :, :1], key_pool, value_pool, block_mask.decode_kv(window), scale))
-    elif plan.decode_len:  # a batch of one-token rows: [1, H, n, D] -> [n, H, 1, D] and back
+    elif decoded:  # a batch of one-token rows: [1, H, n, D] -> [decode_len, H, 1, D] -> [1, H, n, D]
         group = query_group(query, key_pool)
         _, n, mask, score_mod = block_mask.region("decode", window, cap, group)
-        rows = query[0, :, :n].transpose(0, 1)[:, :, None].contiguous()
+        rows = F.pad(query[0, :, :n].transpose(0, 1), (0, 0, 0, 0, 0, plan.decode_len - n))[:, :, None]
         out = rows_attention(rows, key_pool, value_pool, mask, score_mod, scale, group)
-        outputs.append(out[:, :, 0].transpose(0, 1)[None])
-    if plan.q_len > plan.decode_len and sdpa_over_pages(query.device, cap, 1):  # one SDPA call per chunk
-        region = query.new_zeros(1, query.shape[1], plan.q_len - plan.decode_len, value_pool.shape[-1])
+        outputs.append(out[:n, :, 0].transpose(0, 1)[None])
+    if plan.q_len > decoded and sdpa_over_pages(query.device, cap, 1):  # one SDPA call per chunk
+        region = query.new_zeros(1, query.shape[1], plan.q_len - decoded, value_pool.shape[-1])
         start = 0  # padding positions keep zeros: their outputs are never read
         for (_, n), kv in zip(plan.chunks, block_mask.chunk_kvs(window)):
-            chunk = query[:, :, plan.decode_len + start : plan.decode_len + start + n]
+            chunk = query[:, :, decoded + start : decoded + start + n]
             region[:, :, start : start + n] = sequence_attention(chunk, key_pool, value_pool, kv, scale)
             start += cdiv(n, plan.chunk_block) * plan.chunk_block
         outputs.append(region)
-    elif plan.q_len > plan.decode_len:
+    elif plan.q_len > decoded:
         outputs.append(_region_attention(query, key_pool, value_pool, block_mask.region("chunk", window, cap), scale))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 

@@ -3,8 +3,9 @@
 Each step is one forward of the model over a packed batch: a decode token for every
 running sequence that has finished its prompt, then prefill chunks of others, no padding
 between sequences (``PageTable.plan_packed``). The step's ``PackedBlockMask`` is built
-once from the page tables and every layer attends through it. Region sizes are bucketed
-(powers of two), so a few compiled attention graphs serve every mix of lengths.
+once from the page tables and every layer attends through it. Attention's region sizes are
+bucketed (powers of two), so a few compiled attention graphs serve every mix of lengths; the
+linear layers see each decode token once (17 decode tokens are 17 rows, not a bucket of 32).
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from .pages import cdiv
 from .parallel import RankSync
 from .scheduler import Scheduler, Sequence
 
-CHUNK_BLOCK = 16  # query block of prefill chunks (Triton's smallest tile); decode tokens are one-token rows
+# query block of prefill chunks where FlexAttention attends them (Triton's smallest tile); where SDPA
+# attends each chunk on its own (CPU) chunks need no alignment. Decode tokens are one-token rows.
+CHUNK_BLOCK = 16
 MIN_CHUNK_REGION = 64  # the smallest chunk-region bucket
 MAX_LOGPROBS = 20  # top alternatives a request may ask for (as OpenAI's API)
 
@@ -162,11 +165,12 @@ class Engine:
                           pack_weights=pack_weights)
         self.cache = model._flexpage.cache
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(self.cache, max_batch_size, max_tokens_per_step, CHUNK_BLOCK, prefix_caching)
         softcap = getattr(model.config, "attn_logit_softcapping", None)
         self._device = self.model.device  # fixed once the pools are allocated (the property costs ~50 us a call)
         # a lone decode token and each prefill chunk take SDPA over their pages: they compile nothing
         self._sdpa = sdpa_over_pages(self._device, softcap, 1)
+        self.chunk_block = 1 if self._sdpa else CHUNK_BLOCK  # unaligned chunks: no padding rows in the forward
+        self.scheduler = Scheduler(self.cache, max_batch_size, max_tokens_per_step, self.chunk_block, prefix_caching)
         self.warmup_seconds = 0.0
         self._sampling: dict[int, tuple[SamplingParams, torch.Generator | None]] = {}
         self._next_index = 0
@@ -317,15 +321,16 @@ class Engine:
         if not batch:
             return []
         decode_len = self._decode_len(len(batch.decode))
-        aligned = sum(cdiv(n, CHUNK_BLOCK) * CHUNK_BLOCK for _, n in batch.chunks)
+        block = self.chunk_block
+        aligned = sum(cdiv(n, block) * block for _, n in batch.chunks)
         chunk_len = aligned if self._sdpa or not aligned else _bucket(aligned, MIN_CHUNK_REGION)  # buckets: graphs
         plan = self.cache.begin_packed_step(
-            [s.row for s in batch.decode], [(s.row, n) for s, n in batch.chunks], decode_len, chunk_len, CHUNK_BLOCK
+            [s.row for s in batch.decode], [(s.row, n) for s, n in batch.chunks], decode_len, chunk_len, block
         )
-        ids = [seq.tokens[-1] for seq in batch.decode] + [0] * (decode_len - len(batch.decode))
+        ids = [seq.tokens[-1] for seq in batch.decode]  # not padded to decode_len: attention pads its rows
         keep, sampled = list(range(len(batch.decode))), list(batch.decode)  # positions whose logits pick a token
         for seq, n in batch.chunks:
-            span = cdiv(n, CHUNK_BLOCK) * CHUNK_BLOCK
+            span = cdiv(n, block) * block
             ids += seq.tokens[seq.num_computed : seq.num_computed + n] + [0] * (span - n)
             if seq.num_computed + n == len(seq.tokens):  # the chunk ends the prompt: its last logit samples
                 keep.append(len(ids) - span + n - 1)
@@ -385,9 +390,10 @@ class Engine:
         return logits, time.perf_counter() - start
 
     def _decode_len(self, count: int) -> int:
-        """The decode region's size: a lone decode token attended eagerly takes one position
+        """The decode attention call's rows: a lone decode token attended eagerly takes one
         (nothing compiled depends on it), else a power of two >= 2, so compiled graphs are few
-        and a small batch is never padded to much more than itself."""
+        (the rows past the real tokens are empty: they cost attention little and the rest of the
+        forward nothing)."""
         if count == 0 or count == 1 and self._sdpa:
             return count
         return _bucket(count, 2)
@@ -420,8 +426,8 @@ class Engine:
         pt = self.cache.page_table
         for decode_len, chunk_len in tqdm(self.step_shapes(), desc="warm-up", unit="shape", disable=not progress):
             free = len(pt.free_pages) - decode_len - 1  # truly free pages: cached prefix pages stay
-            tokens = min(chunk_len, CHUNK_BLOCK + min(free, pt.max_pages_per_seq) * pt.page_size)
-            if free < 0 or chunk_len and tokens <= CHUNK_BLOCK:
+            tokens = min(chunk_len, self.chunk_block + min(free, pt.max_pages_per_seq) * pt.page_size)
+            if free < 0 or chunk_len and tokens <= self.chunk_block:
                 raise OutOfPagesError(f"warm-up needs free pages for a step of shape {(decode_len, chunk_len)}: "
                                       f"call it while the engine is idle")
             split = self.scheduler.max_batch_size > 1  # two chunks where two rows may run
@@ -429,9 +435,9 @@ class Engine:
             rows = [self.cache.add_sequence() for _ in range(decoding + (1 + split) * (chunk_len > 0))]
             chunks = [(rows[-1], tokens)] if chunk_len else []
             if chunk_len and split:
-                chunks = [(rows[-2], CHUNK_BLOCK), (rows[-1], tokens - CHUNK_BLOCK)]
+                chunks = [(rows[-2], self.chunk_block), (rows[-1], tokens - self.chunk_block)]
             try:
-                plan = self.cache.begin_packed_step(rows[:decoding], chunks, decode_len, chunk_len, CHUNK_BLOCK)
+                plan = self.cache.begin_packed_step(rows[:decoding], chunks, decode_len, chunk_len, self.chunk_block)
                 self._forward([0] * plan.q_len, plan, list(range(max(decoding, 1))))  # LM head: every decode row
             finally:
                 for row in rows:

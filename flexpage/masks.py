@@ -428,8 +428,11 @@ class DecodeRows:
 
     @classmethod
     def of(cls, plan: PackedPlan) -> "DecodeRows":
-        pos = plan.tok_pos[: plan.decode_len]
-        return cls(plan.tok_rows[: plan.decode_len], pos.clamp_min(0), torch.where(pos >= 0, pos + 1, 0))
+        """The plan's decode tokens as its ``decode_len`` rows, the rows past them empty."""
+        pad = (0, plan.decode_len - plan.num_decode)
+        pos = plan.tok_pos[: plan.num_decode]
+        rows = torch.nn.functional.pad(plan.tok_rows[: plan.num_decode], pad)
+        return cls(rows, torch.nn.functional.pad(pos, pad), torch.nn.functional.pad(pos + 1, pad))
 
 
 class PackedBlockMask(_StepMask):
@@ -462,16 +465,17 @@ class PackedBlockMask(_StepMask):
                ) -> tuple[int, int, BlockMask, ScoreMod | None]:
         """``(start, end, block_mask, score_mod)`` of the ``"decode"`` or ``"chunk"`` region, for
         a causal mask restricted to a sliding ``window`` and scores soft-capped at ``cap``. The
-        decode region's mask is for its tokens as a batch of one-token rows (``DecodeRows``),
-        with ``group`` query heads along the query axis (``grouped_mask_mod``)."""
+        decode region's mask is for its tokens as a batch of ``decode_len`` one-token rows
+        (``DecodeRows``; ``end`` counts the real ones), with ``group`` query heads along the query
+        axis (``grouped_mask_mod``)."""
         plan = self.plan
         if name == "decode":
             rows = self._variant(("decode_rows",), lambda: DecodeRows.of(plan))
             mask_mod = None if window is None else sliding_window(window)
             return self._variant(("decode", window, cap, group), lambda: (
-                0, plan.decode_len, _build(self.page_table, rows, mask_mod, Q_BLOCK_SIZE, group),
+                0, plan.num_decode, _build(self.page_table, rows, mask_mod, Q_BLOCK_SIZE, group),
                 None if cap is None else _grouped_score(paged_score_mod(self.page_table, rows, softcap(cap)), group)))
-        start, end, q_block = plan.decode_len, plan.q_len, plan.chunk_block
+        start, end, q_block = plan.num_decode, plan.q_len, plan.chunk_block
         if cap is not None:  # the same block metadata as without soft-capping, plus the score mod
             rows, pos = plan.tok_rows[start:end], plan.tok_pos[start:end]
             return self._variant((name, window, cap), lambda: (

@@ -45,10 +45,12 @@ class StepPlan:
 class PackedPlan:
     """One ragged step: many rows' new tokens packed into a single query row, no batch padding.
 
-    The ``decode_len`` leading positions hold decode tokens (one per row, query blocks of one
-    token); after them come prefill chunks, each starting at a multiple of ``chunk_block``
-    so that a query block never spans two sequences. Positions left over (bucket tail, chunk
-    alignment) are padding: row 0, position -1, slot in the sink page.
+    The leading positions hold the decode tokens, one per row of ``decode_rows`` (attended as a
+    batch of ``decode_len`` one-token rows: the bucket a compiled call is shaped for, its rows past
+    the real ones empty); after them come prefill chunks, each starting at a multiple of
+    ``chunk_block`` so that a query block never spans two sequences. Positions left over (chunk
+    alignment, the chunk region's bucket tail) are padding: row 0, position -1, slot in the sink
+    page. A bucket never pads the decode tokens themselves: a forward computes each once.
     """
 
     slots: torch.Tensor  # [1, q_len] int64, pool slot of each packed token
@@ -64,6 +66,11 @@ class PackedPlan:
     @property
     def max_new(self) -> int:
         return self.q_len  # every forward of a packed step feeds all of its positions
+
+    @property
+    def num_decode(self) -> int:
+        """Decode tokens: the step's first positions (``decode_len`` rows in attention)."""
+        return len(self.decode_rows)
 
     fresh = False  # a packed step always reads pages, never only its own new K/V
 
@@ -389,8 +396,9 @@ class PageTable:
         """Describe a ragged step whose tokens were just added by ``extend``.
 
         ``decode_rows`` each feed their last token; ``chunks`` are ``(row, num_tokens)`` prefill
-        chunks ending at the row's last token. The decode region is ``decode_len`` positions,
-        the chunk region ``chunk_len`` (both bucketed by the caller, so shapes repeat).
+        chunks ending at the row's last token. The decode tokens are attended as ``decode_len``
+        one-token rows, the chunk region is ``chunk_len`` positions (both bucketed by the caller,
+        so compiled shapes repeat).
         """
         check_packed_layout(len(decode_rows), [n for _, n in chunks], decode_len, chunk_len, chunk_block)
         for row in (*decode_rows, *(row for row, _ in chunks)):
@@ -400,11 +408,11 @@ class PageTable:
     def _packed(self, decode_rows: Sequence[int], chunks: Sequence[tuple[int, int]], decode_len: int,
                 chunk_len: int, chunk_block: int) -> PackedPlan:
         """``plan_packed`` for a layout already checked (``PagedKVCache.begin_packed_step``)."""
-        q_len, lens = decode_len + chunk_len, self.seq_lens
+        q_len, lens = len(decode_rows) + chunk_len, self.seq_lens
         rows, positions = [0] * q_len, [-1] * q_len
         rows[: len(decode_rows)] = decode_rows
         positions[: len(decode_rows)] = [lens[row] - 1 for row in decode_rows]
-        at = decode_len
+        at = len(decode_rows)
         for row, n in chunks:
             end = lens[row]
             rows[at : at + n] = [row] * n

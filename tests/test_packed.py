@@ -64,8 +64,10 @@ def test_ragged_step_matches_per_sequence_reference(window, cap, decode_ctx, chu
 
 
 def test_decode_only_and_chunk_only_steps():
-    cache, plan, _ = _ragged_step([5, 16, 77], [], None, None, seed=1, chunk_len=0)
-    assert plan.q_len == DECODE_LEN and cache.page_table.seq_lens[:3] == [6, 17, 78]
+    cache, plan, mask = _ragged_step([5, 16, 77], [], None, None, seed=1, chunk_len=0)
+    # three decode tokens are three positions; only attention's rows are padded to the bucket
+    assert plan.q_len == 3 and cache.page_table.seq_lens[:3] == [6, 17, 78]
+    assert mask.region("decode")[2].kv_num_blocks.shape[0] == DECODE_LEN
     cache, plan, _ = _ragged_step([], [(0, 33), (17, 30)], None, None, seed=2, decode_len=0)
     # chunks start on 16-token block boundaries: 33 tokens take 3 blocks, the next chunk starts at 48
     assert plan.tok_pos[:33].tolist() == list(range(33)) and plan.tok_pos[33:48].eq(-1).all()
