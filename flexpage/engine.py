@@ -109,6 +109,7 @@ class EngineStats:
     seconds: float
     warmup_seconds: float  # compiling every step shape (``Engine.warmup``), outside ``seconds``
     host_ms_per_step: float  # a step's time outside the model forward (schedule, plan, sampling, bookkeeping)
+    packed_weight_bytes: int  # memory of the weights' packed copies (``pack_weights``); 0 without them
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,10 @@ class Engine:
     gloo group by default) so every rank takes the same steps; the other ranks call ``follow()``
     until rank 0 calls ``close()``. ``check_ranks`` compares every step's plan across ranks.
     ``few_row_linears`` and ``pack_weights`` are ``wrap``'s options (CPU linear layers through the
-    GEMM measured fastest; a packed copy of the weights for oneDNN, faster at many rows).
+    GEMM measured fastest; a packed copy of the weights for oneDNN, faster at many rows). The
+    engine packs by default (``None``) when the copy needs at most a quarter of the memory
+    available, as a server takes its KV pool up front; ``stats().packed_weight_bytes`` says what
+    it holds, ``pack_weights=False`` keeps one copy of the weights.
     """
 
     def __init__(
@@ -153,7 +157,7 @@ class Engine:
         tp_group: Any = None,
         check_ranks: bool = False,
         few_row_linears: bool = True,
-        pack_weights: bool = False,
+        pack_weights: bool | None = None,
     ) -> None:
         if max_tokens_per_step < max_batch_size + CHUNK_BLOCK:
             raise ValueError(
@@ -460,6 +464,7 @@ class Engine:
             seconds=self._seconds,
             warmup_seconds=self.warmup_seconds,
             host_ms_per_step=self._host_seconds / self._steps * 1e3 if self._steps else 0.0,
+            packed_weight_bytes=linears.packed_bytes if (linears := self.model._flexpage.linears) else 0,
         )
 
     # ------------------------------------------------------------------ internals

@@ -69,7 +69,7 @@ def wrap(
     max_seq_len: int | None = None,
     compile_decode: bool = False,
     few_row_linears: bool = True,
-    pack_weights: bool = False,
+    pack_weights: bool | None = False,
 ) -> PreTrainedModel:
     """Serve ``model.generate()`` from a paged KV cache of ``max_cached_tokens`` tokens.
 
@@ -98,7 +98,8 @@ def wrap(
     ``pack_weights`` adds oneDNN on a copy of each weight in its blocked layout, laid out for
     ``max_batch_size`` rows, to those kernels: decode steps of many sequences get faster (AMD
     EPYC, ``llama-small``: 25-35% less time in the linear layers at 16-32 rows), for a second copy
-    of the CPU layers' weights in memory.
+    of the CPU layers' weights in memory. ``None`` packs when oneDNN is there and the copy needs at
+    most a quarter of the memory available (``FewRowLinears.packing_fits``): the Engine's default.
     """
     if pack_weights and not few_row_linears:
         raise ValueError("pack_weights=True needs few_row_linears=True (packed weights are one of its kernels)")
@@ -125,7 +126,9 @@ def wrap(
     _register(stock)
     model.set_attn_implementation(FALLBACKS[stock])
     hook = model.base_model.register_forward_pre_hook(_begin_paged_step, with_kwargs=True)
-    linears = FewRowLinears(model, _is_paged_call, max_batch_size if pack_weights else 0) if few_row_linears else None
+    linears = FewRowLinears(model, _is_paged_call) if few_row_linears else None
+    if linears is not None and (pack_weights or pack_weights is None and linears.packing_fits()):
+        linears.pack(max_batch_size)
     model._flexpage = _Wrapped(cache, stock, hook, model.generation_config.compile_config, cache_argument(model), linears)
     if compile_decode:
         for layer in cache.layers:

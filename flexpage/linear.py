@@ -17,10 +17,11 @@ at one row (24.3 ms per decoded token for ``llama-small``, against 18.1 ms timed
 Results differ from ``F.linear``'s in the last bits, as paged attention's already do from SDPA's.
 ``FewRowLinears`` routes a model's ``nn.Linear`` layers through it for forwards through a paged
 cache only (a flag set by a hook on the model), so a wrapped model's plain forward (scoring,
-training) stays bit-for-bit the stock one. With ``pack_rows`` it also keeps a copy of each weight
-in oneDNN's blocked layout (``wrap(pack_weights=True)``), which oneDNN reads faster still
-(``llama-small``'s layers without the LM head, AMD EPYC: 16 rows 12.3 -> 8.3 ms, 32 rows 15.5 ->
-12.5, 470 rows 127 -> 121): a second copy of every CPU weight, so an opt-in.
+training) stays bit-for-bit the stock one. ``FewRowLinears.pack`` also keeps a copy of each weight
+in oneDNN's blocked layout, which oneDNN reads faster still (``llama-small``'s layers without the
+LM head, AMD EPYC: 16 rows 12.3 -> 8.3 ms, 32 rows 15.5 -> 12.5, 470 rows 127 -> 121): a second
+copy of every CPU weight, which the Engine takes by default when it fits (``packing_fits``:
+at most ``PACK_MEMORY_SHARE`` of the memory available), as a server takes its KV pool up front.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import types
 from pathlib import Path
 from typing import Any, Callable
 
+import psutil
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,6 +44,7 @@ from torch import nn
 from .compile import artifact_dir
 
 MAX_ROWS = 4096  # a prefill's rows; above, F.linear untimed (row buckets stay few)
+PACK_MEMORY_SHARE = 0.25  # packed copies are taken by default when they need at most this share of free memory
 TRIALS = 4  # calls timed with each kernel, alternated, before a (weight shape, row bucket) is decided
 
 Key = tuple[int, int, bool, int, int, bool]  # (out_features, in_features, has bias, row bucket, threads, packed)
@@ -84,6 +87,11 @@ def pack_weight(weight: torch.Tensor, rows: int) -> torch.Tensor:
     """A copy of a float32 CPU ``weight`` in oneDNN's blocked layout, laid out for products of
     about ``rows`` rows (any row count works), for the ``onednn_packed`` kernel."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+
+
+def available_memory() -> int:
+    """Bytes of memory the system can still give this process without swapping."""
+    return psutil.virtual_memory().available
 
 
 def candidates(packed: bool) -> tuple[str, ...]:
@@ -210,16 +218,12 @@ class FewRowLinears:
     weights are left alone. A compiled forward takes the traceable kernel measured fastest
     beforehand (``measure``), else inductor's own GEMM.
 
-    ``pack_rows`` > 0 keeps a ``pack_weight`` copy of each float32 layer's weight for products
-    of about that many rows (a second copy of the weights), taken now and again whenever the
-    weight is replaced or changed in place (``load_state_dict``, an optimizer step)."""
+    ``pack(rows)`` adds oneDNN on packed copies of the weights."""
 
-    def __init__(self, model: nn.Module, is_paged: Callable[[dict], bool], pack_rows: int = 0) -> None:
-        if pack_rows and "onednn_packed" not in KERNELS:
-            raise ValueError("packed weights need a torch built with oneDNN (torch.backends.mkldnn)")
+    def __init__(self, model: nn.Module, is_paged: Callable[[dict], bool]) -> None:
         self.active = False
         self._is_paged = is_paged
-        self.pack_rows = pack_rows
+        self.pack_rows = 0
         self.layers = [
             module for module in model.modules()
             if type(module) is nn.Linear and "forward" not in vars(module) and type(module.weight) is nn.Parameter
@@ -229,13 +233,34 @@ class FewRowLinears:
         self._packed: dict[nn.Linear, tuple[torch.Tensor, int, torch.Tensor]] = {}
         for layer in self.layers:
             layer.forward = types.MethodType(self._forward, layer)
-            self.packed(layer)
         if self.layers:
             load_rankings()
         self._hooks = [
             model.register_forward_pre_hook(self._enter, with_kwargs=True),
             model.register_forward_hook(self._leave, always_call=True),
         ]
+
+    def packing_fits(self) -> bool:
+        """Whether packed copies can be taken by default: oneDNN is there and the copies (as many
+        bytes as the float32 layers' weights) need at most ``PACK_MEMORY_SHARE`` of the memory
+        available now."""
+        copy = sum(layer.weight.nbytes for layer in self.layers if layer.weight.dtype == torch.float32)
+        return "onednn_packed" in KERNELS and 0 < copy <= PACK_MEMORY_SHARE * available_memory()
+
+    def pack(self, rows: int) -> None:
+        """Keep a ``pack_weight`` copy of each float32 layer's weight for products of about
+        ``rows`` rows (a second copy of the weights), taken now and again whenever the weight is
+        replaced or changed in place (``load_state_dict``, an optimizer step)."""
+        if "onednn_packed" not in KERNELS:
+            raise ValueError("packed weights need a torch built with oneDNN (torch.backends.mkldnn)")
+        self.pack_rows = rows
+        for layer in self.layers:
+            self.packed(layer)
+
+    @property
+    def packed_bytes(self) -> int:
+        """Memory held by the packed copies."""
+        return sum(copy.numel() * copy.element_size() for _, _, copy in self._packed.values())
 
     def measure(self, max_rows: int) -> None:
         """Decide now every weight shape's kernel at each row bucket up to ``max_rows``, for a

@@ -68,8 +68,9 @@ def test_warmup_compiles_every_step_shape_so_serving_compiles_nothing(stock_llam
     assert engine.step_shapes() == [(2, 0), (4, 0), (8, 0)]
     # ... and the linear layers met each decode region's rows: their kernels are being timed
     met = set(linear.ranking) | set(linear.trials)
+    packed = engine.stats().packed_weight_bytes > 0  # the default: when the copies fit in memory
     for layer in (engine.model.lm_head, engine.model.model.layers[0].mlp.down_proj):
-        assert {(*layer.weight.shape, False, rows, torch.get_num_threads(), False) for rows in (2, 4, 8)} <= met
+        assert {(*layer.weight.shape, False, rows, torch.get_num_threads(), packed) for rows in (2, 4, 8)} <= met
     assert engine.stats().warmup_seconds > 0 and engine.stats().steps == 0
     pt = engine.cache.page_table
     assert pt.num_free_pages == pt.num_pages and not pt.active_rows  # scratch rows and pages given back
@@ -116,6 +117,21 @@ def test_packed_weights_change_no_token(expected, monkeypatch, tmp_path):
     assert engine.generate([prompt], max_new_tokens=6) == [stock_greedy(stock, prompt, 6)]
     with pytest.raises(ValueError, match="few_row_linears"):
         make_engine(pack_weights=True, few_row_linears=False, warmup=False)
+
+
+@pytest.mark.skipif("onednn_packed" not in linear.KERNELS, reason="packed weights need oneDNN")
+def test_weights_are_packed_by_default_when_the_copies_fit(expected, monkeypatch):
+    """``pack_weights=None`` (the Engine's default) packs when a copy of the float32 weights
+    needs at most a quarter of the memory available, and not otherwise; ``False`` never packs.
+    Tokens equal stock's either way."""
+    weights = sum(layer.weight.nbytes for layer in zoo.build("llama-tiny").modules() if type(layer) is torch.nn.Linear)
+    monkeypatch.setattr(linear, "available_memory", lambda: 4 * weights)
+    assert make_engine(warmup=False).stats().packed_weight_bytes == weights
+    assert make_engine(warmup=False, pack_weights=False).stats().packed_weight_bytes == 0
+    monkeypatch.setattr(linear, "available_memory", lambda: 4 * weights - 1)
+    engine = make_engine(warmup=False)
+    assert engine.stats().packed_weight_bytes == 0
+    assert engine.generate(workload()[:3], max_new_tokens=list(NEW_TOKENS[:3])) == expected[:3]
 
 
 def test_a_lone_request_decodes_one_token_per_step(stock_llama):

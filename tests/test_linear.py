@@ -115,13 +115,16 @@ def test_rankings_of_another_cpu_or_a_broken_file_are_not_taken(fresh_choices):
 
 
 def test_packed_copies_are_taken_once_and_follow_the_weights(fresh_choices):
-    """``pack_rows``: each float32 layer keeps one packed copy, used by the packed kernel, packed
+    """``pack``: each float32 layer keeps one packed copy, used by the packed kernel, packed
     again when its weight is changed in place or replaced, and dropped by ``remove``."""
     first, second = torch.nn.Linear(16, 24), torch.nn.Linear(24, 8, bias=False)
     model = torch.nn.Sequential(first, second)
-    linears = FewRowLinears(model, lambda kwargs: True, pack_rows=4)
+    linears = FewRowLinears(model, lambda kwargs: True)
+    assert linears.packed(first) is None and linears.packed_bytes == 0  # no copy before pack()
+    linears.pack(4)
     copies = [linears.packed(layer) for layer in (first, second)]
     assert all(copy.is_mkldnn for copy in copies) and linears.packed(first) is copies[0]  # not packed again
+    assert linears.packed_bytes == first.weight.nbytes + second.weight.nbytes
     for name in linear.candidates(packed=False):
         linear.KERNELS[name] = _slowed(linear.KERNELS[name])  # the packed kernel wins every trial
 

@@ -339,13 +339,13 @@ def test_serve_steps_the_engine_on_the_calling_thread_and_stops_on_sigint(stock)
 
 
 def test_flexpage_serve_command(tmp_path):
-    """The console command serves a save_pretrained directory with its own tokenizer (with packed
+    """The console command serves a save_pretrained directory with its own tokenizer (without packed
     weights: stock's tokens still); stopped by the test."""
     model_dir = tmp_path / "model"
     zoo.build(MODEL).save_pretrained(model_dir)
     zoo.load_tokenizer(MODEL).save_pretrained(model_dir)
     command = [str(BIN / "flexpage"), "serve", str(model_dir), "--served-model-name", "mine", "--max-cached-tokens",
-               "2048", "--max-batch-size", "8", "--max-tokens-per-step", "128", "--pack-weights"]
+               "2048", "--max-batch-size", "8", "--max-tokens-per-step", "128", "--no-pack-weights"]
     with running_server(command) as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
         out = client.completions.create(model="mine", prompt="Hello", max_tokens=4, temperature=0)

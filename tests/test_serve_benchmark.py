@@ -25,9 +25,9 @@ def test_quick_serve_benchmark_against_transformers_serve(tmp_path):
     assert (tmp_path / "serve.png").stat().st_size > 0
 
 
-def test_the_packed_flexpage_server_is_started_with_packed_weights():
+def test_the_unpacked_flexpage_server_is_started_without_packed_weights():
     from flexpage.bench.serve import server_command
 
     args = SimpleNamespace(max_batch_size=8, max_cached_tokens=2048)
-    packed, plain = (server_command(kind, "dir", 1234, args) for kind in ("flexpage_packed", "flexpage"))
-    assert packed == plain + ["--pack-weights"] and "serve" in plain and "dir" in plain
+    unpacked, plain = (server_command(kind, "dir", 1234, args) for kind in ("flexpage_unpacked", "flexpage"))
+    assert unpacked == plain + ["--no-pack-weights"] and "serve" in plain and "dir" in plain

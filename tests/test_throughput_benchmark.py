@@ -10,7 +10,7 @@ from pathlib import Path
 from notebook_runner import run_notebook
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = {"flexpage_engine", "flexpage_engine_first_run", "flexpage_engine_stock_linears", "flexpage_engine_packed",
+CONFIGS = {"flexpage_engine", "flexpage_engine_first_run", "flexpage_engine_stock_linears", "flexpage_engine_unpacked",
            "stock_padded_b1", "stock_padded_b4", "stock_continuous_batching"}
 COLUMNS = {"seconds", "generated_tokens", "tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p99_s",
            "speedup_vs_best_padded"}
@@ -34,6 +34,7 @@ def test_quick_throughput_benchmark_and_notebook(tmp_path, monkeypatch):
     assert 0 < engine["kv_utilisation"] <= 1 and 0 < engine["peak_pages"] <= engine["pages_total"]
     assert engine["prefix_hit_tokens"] == 0  # distinct random prompts; the first run's pages are not reused
     assert engine["warmup_s"] > 0 and engine["host_ms_per_step"] > 0
+    assert records["flexpage_engine_unpacked"]["packed_weight_mb"] == 0
     trace = json.loads((tmp_path / "throughput_kv_trace.json").read_text())["records"]
     assert len(trace) == engine["steps"] and all(0 < t["kv_utilisation"] <= 1 for t in trace)
     for name in ("throughput.csv", "throughput_kv_trace.csv", "throughput_vs_batch.png", "throughput_kv_utilisation.png"):

@@ -8,7 +8,7 @@ request throughput, output tokens/s, TTFT / TPOT / ITL p50 and p99, failures.
 
     flexpage bench serve              # llama-small, rates 0.25..4 req/s, concurrency 1/4/16
     flexpage bench serve --quick      # llama-tiny, a few requests per point, for CI
-    flexpage bench serve --servers flexpage flexpage_packed transformers   # also with --pack-weights
+    flexpage bench serve --servers flexpage flexpage_unpacked transformers   # also with --no-pack-weights
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from flexpage import zoo
 from flexpage.bench.measure import (
     add_run_arguments, caption, finish_axes, machine_info, out_dir, save_figure, stop_process, write_records)
 
-SERVERS = ("flexpage", "flexpage_packed", "transformers")  # flexpage_packed: flexpage serve --pack-weights
+SERVERS = ("flexpage", "flexpage_unpacked", "transformers")  # flexpage_unpacked: flexpage serve --no-pack-weights
 
 
 @dataclass
@@ -55,7 +55,7 @@ def server_command(kind: str, model_dir: str, port: int, args: argparse.Namespac
     if kind.startswith("flexpage"):
         return [sys.executable, "-m", "flexpage.cli", "serve", model_dir, "--port", str(port), "--served-model-name",
                 "model", "--max-batch-size", str(args.max_batch_size), "--max-cached-tokens",
-                str(args.max_cached_tokens), "--max-waiting", "100000"] + ["--pack-weights"] * (kind == "flexpage_packed")
+                str(args.max_cached_tokens), "--max-waiting", "100000"] + ["--no-pack-weights"] * (kind == "flexpage_unpacked")
     transformers_cli = os.path.join(os.path.dirname(sys.executable), "transformers")  # installed with transformers
     return [transformers_cli, "serve", model_dir, "--port", str(port),
             "--host", "127.0.0.1", "--continuous-batching", "--device", "cpu", "--dtype", "float32"]

@@ -43,8 +43,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens-per-step", type=int, default=512, help="tokens fed per step")
     parser.add_argument("--max-waiting", type=int, default=256, help="queued requests before answering 429")
     parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--pack-weights", action="store_true",
-                        help="keep oneDNN-packed copies of the CPU weights: faster batched decode, 2x weight memory")
+    parser.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=None,
+                        help="keep oneDNN-packed copies of the CPU weights: faster batched decode, 2x weight memory "
+                             "(default: when they need at most a quarter of the memory available)")
     parser.add_argument("--tp-size", type=int, default=1,
                         help="tensor-parallel ranks (run under torchrun; MODEL must be a local directory)")
     args = parser.parse_args(argv)
