@@ -27,3 +27,15 @@ def test_notebook_runs_quick_benchmark_and_draws_it(tmp_path, monkeypatch):
     for suffix in ("csv", "json", "e2e_ms.png", "decode_ms_per_token.png", "peak_mem_mb.png"):
         assert any(p.name.endswith(suffix) for p in tmp_path.iterdir()), suffix
     assert os.path.getsize(tmp_path / "latency.csv") > 0
+
+
+def test_a_subset_of_configurations_led_by_the_engine(tmp_path):
+    """``--configs`` may leave out every wrapped model: the Engine leads the records."""
+    from flexpage.bench import latency
+
+    latency.main(["--quick", "--configs", "flexpage_engine", "stock_dynamic_sdpa", "--out", str(tmp_path),
+                  "--name", "subset"])
+    records = json.loads((tmp_path / "subset.json").read_text())["records"]
+    assert [r["config"] for r in records] == ["flexpage_engine", "stock_dynamic_sdpa"] * 2  # lengths 64, 256
+    engine = [r for r in records if r["config"] == "flexpage_engine"]
+    assert all(r["kv_reserved_bytes"] >= r["kv_live_bytes"] > 0 and r["recompiles"] == 0 for r in engine)
