@@ -450,6 +450,7 @@ class Engine:
         return self.warmup_seconds
 
     def stats(self) -> EngineStats:
+        linears = getattr(self.model._flexpage, "linears", None)  # None once the model is unwrapped
         return EngineStats(
             steps=self._steps,
             forward_launches=self._steps,
@@ -464,7 +465,7 @@ class Engine:
             seconds=self._seconds,
             warmup_seconds=self.warmup_seconds,
             host_ms_per_step=self._host_seconds / self._steps * 1e3 if self._steps else 0.0,
-            packed_weight_bytes=linears.packed_bytes if (linears := self.model._flexpage.linears) else 0,
+            packed_weight_bytes=linears.packed_bytes if linears else 0,
         )
 
     # ------------------------------------------------------------------ internals
