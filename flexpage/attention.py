@@ -127,8 +127,10 @@ def fresh_prefill_attention(
     gathered back from their slots into one contiguous block and attended with SDPA, whose
     CPU kernel is faster than FlexAttention over page-sized KV blocks for long prompts.
     ``query`` is ``[B, Hq, q, D]`` with its tokens in the plan's last ``q`` columns (left
-    padding); ``window`` restricts to a causal sliding window. Padding queries see only
-    themselves (their outputs are never used; this keeps them finite).
+    padding); ``window`` restricts to a causal sliding window. A left-padded batch is attended
+    row by row over each row's real tokens (causal SDPA skips the padding and the masked half:
+    ``llama-small``'s 8 x 1024 prompts of 576-1024 tokens, 70 instead of 170 ms a layer); padding
+    queries get zeros (their outputs are never used; this keeps them finite).
     """
     if not plan.fresh:
         raise ValueError("fresh_prefill_attention needs a step whose rows held no tokens before it")
@@ -139,13 +141,19 @@ def fresh_prefill_attention(
     gqa = query.shape[1] != keys.shape[1]
     if window is None and plan.max_new == q and all(n == q for n in plan.row_lens):  # no padding: plain causal
         return F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
-    i = torch.arange(q, device=query.device)
-    real_key = i[None, :] >= q - plan.kv_lens.to(query.device)[:, None]  # [B, q]: not padding
-    allowed = (i[:, None] >= i[None, :]) & real_key[:, None, :]  # causal, over real keys
-    if window is not None:
-        allowed &= i[:, None] - i[None, :] < window
-    allowed |= torch.eye(q, dtype=torch.bool, device=query.device)
-    return F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed[:, None], scale=scale, enable_gqa=gqa)
+    out = query.new_zeros(query.shape)
+    for b, n in enumerate(plan.row_lens):
+        if not n:
+            continue
+        real = slice(q - n, q)
+        allowed = None
+        if window is not None:
+            i = torch.arange(n, device=query.device)
+            allowed = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window)
+        out[b : b + 1, :, real] = F.scaled_dot_product_attention(
+            query[b : b + 1, :, real], keys[b : b + 1, :, real], values[b : b + 1, :, real], attn_mask=allowed,
+            is_causal=allowed is None, scale=scale, enable_gqa=gqa)
+    return out
 
 
 def sequence_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, kv: SequenceKV,

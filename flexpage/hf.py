@@ -88,7 +88,7 @@ def wrap(
     up to near-ties of the logits; on the default path they have matched it in every test.
 
     ``few_row_linears`` (the default) lets the linear layers of paged forwards on the CPU, when
-    they get 1-4096 rows, take whichever of MKL's ``x @ W.T``, MKL's ``(W @ x.T).T`` and oneDNN's
+    they get 1-65536 rows, take whichever of MKL's ``x @ W.T``, MKL's ``(W @ x.T).T`` and oneDNN's
     matmul measured fastest for that weight shape and row count on this CPU (``flexpage.linear``:
     speeds differ by 2-5x between them, in opposite directions on AMD and Intel cores; last-bit
     differences, as paged attention has); the model's plain forwards are untouched. With

@@ -6,6 +6,8 @@ import os
 
 from notebook_runner import run_notebook
 
+from flexpage import zoo
+
 CONFIGS = {"flexpage", "flexpage_stock_linears", "flexpage_compiled", "flexpage_engine", "stock_dynamic_sdpa", "stock_flex_attention", "stock_static", "stock_static_compiled",
            "stock_no_cache"}
 COLUMNS = {"ttft_ms", "decode_ms_per_token", "e2e_ms", "peak_mem_mb", "recompiles", "kv_live_bytes",
@@ -29,13 +31,17 @@ def test_notebook_runs_quick_benchmark_and_draws_it(tmp_path, monkeypatch):
     assert os.path.getsize(tmp_path / "latency.csv") > 0
 
 
-def test_a_subset_of_configurations_led_by_the_engine(tmp_path):
-    """``--configs`` may leave out every wrapped model: the Engine leads the records."""
+def test_a_subset_of_configurations_led_by_the_engine_over_a_padded_batch(tmp_path):
+    """``--configs`` may leave out every wrapped model: the Engine leads the records. A batch
+    holds prompts of mixed lengths (left-padded for stock, one request each for the Engine)."""
     from flexpage.bench import latency
 
-    latency.main(["--quick", "--configs", "flexpage_engine", "stock_dynamic_sdpa", "--out", str(tmp_path),
-                  "--name", "subset"])
+    latency.main(["--quick", "--batch", "2", "--configs", "flexpage_engine", "stock_dynamic_sdpa", "--out",
+                  str(tmp_path), "--name", "subset"])
     records = json.loads((tmp_path / "subset.json").read_text())["records"]
     assert [r["config"] for r in records] == ["flexpage_engine", "stock_dynamic_sdpa"] * 2  # lengths 64, 256
+    assert [r["prompt_tokens"] for r in records] == [64 + 48] * 2 + [256 + 192] * 2  # rows of L and 3L/4 tokens
     engine = [r for r in records if r["config"] == "flexpage_engine"]
     assert all(r["kv_reserved_bytes"] >= r["kv_live_bytes"] > 0 and r["recompiles"] == 0 for r in engine)
+    assert [r["kv_live_bytes"] for r in engine] == [  # the real tokens only, as the pages hold them
+        (n + 2 * 7) * latency.kv_bytes_per_token(zoo.load("llama-tiny").config, 4) for n in (112, 448)]

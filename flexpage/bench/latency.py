@@ -1,7 +1,9 @@
 """Latency vs context length: flexpage vs stock transformers generate(), side by side in one process.
 
 For each context length (prompt tokens), each configuration generates N new tokens (greedy,
-batch 1 by default) and we record time to first token, per-token decode latency (median
+batch 1 by default; with ``--batch B`` the B prompts have mixed lengths, left-padded to the
+context length as a tokenizer pads a batch: row b holds ``length - b * length // (2B)`` tokens,
+from the full length down to about half of it) and we record time to first token, per-token decode latency (median
 inter-token time), end-to-end latency, peak extra process memory, KV bytes reserved vs live,
 and recompiles during the timed calls. The first call of each configuration at each length
 is its warm-up (compiles) and is reported separately, never mixed into the latencies.
@@ -78,7 +80,15 @@ def build_configs(model_name: str, max_len: int, page_size: int | None, device: 
     }
 
 
-def run_once(model, ids, new_tokens, extra):
+def batch_prompts(length: int, batch: int, vocab: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids ``[batch, length]`` and their padding mask: row ``b`` holds
+    ``length - b * length // (2 * batch)`` random tokens after its left padding (id 0)."""
+    ids = torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(length))
+    real = torch.arange(length) >= torch.tensor([b * length // (2 * batch) for b in range(batch)])[:, None]
+    return (ids * real).to(device), real.long().to(device)
+
+
+def run_once(model, ids, mask, new_tokens, extra):
     clock = TokenClock()
     gc.collect()
     graphs = compiled_graphs()
@@ -86,13 +96,14 @@ def run_once(model, ids, new_tokens, extra):
         start = time.perf_counter()
         if isinstance(model, flexpage.Engine):  # each prompt its own request, served together
             counts = [0] * ids.shape[0]
-            for index, _ in model.stream(ids.tolist(), max_new_tokens=new_tokens, eos_token_id=[]):
+            prompts = [row[real.bool()].tolist() for row, real in zip(ids, mask)]  # no padding: one request each
+            for index, _ in model.stream(prompts, max_new_tokens=new_tokens, eos_token_id=[]):
                 if index == 0:  # one timestamp per step, as generate()'s logits processor gives
                     clock.times.append(time.perf_counter())
                 counts[index] += 1
             out_tokens = min(counts)
         else:
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                                  logits_processor=LogitsProcessorList([clock]), **extra)
             out_tokens = out.shape[1] - ids.shape[1]
@@ -137,14 +148,13 @@ def main(argv: list[str] | None = None) -> None:
     records, dropped = [], {}  # configuration -> the length where it went over budget
     progress = tqdm(total=len(args.lengths) * len(configs) * (args.repeats + 1), desc="latency")
     for length in args.lengths:
-        ids = torch.randint(3, vocab, (args.batch, length), generator=torch.Generator().manual_seed(length))
-        ids = ids.to(args.device)
+        ids, mask = batch_prompts(length, args.batch, vocab, args.device)
         samples: dict[str, list[dict]] = {name: [] for name in configs}
         warmup: dict[str, float] = {}
         for name, (model, extra, _) in configs.items():  # warm-up: compiles, first-touch allocations
             if name not in dropped:
                 start = time.perf_counter()
-                run_once(model, ids, args.new_tokens, extra)
+                run_once(model, ids, mask, args.new_tokens, extra)
                 warmup[name] = time.perf_counter() - start
                 if name == "stock_no_cache" and warmup[name] > args.no_cache_budget:
                     dropped[name] = length
@@ -157,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
                     continue
                 for _attempt in range(3):
                     before = matmul_probe_ms()
-                    result = run_once(model, ids, args.new_tokens, extra)
+                    result = run_once(model, ids, mask, args.new_tokens, extra)
                     after = matmul_probe_ms()
                     best_probe = min(best_probe, before, after)
                     if max(before, after) <= args.probe_tolerance * best_probe:
@@ -166,8 +176,8 @@ def main(argv: list[str] | None = None) -> None:
                 progress.update(1)
         for name, (model, extra, reserved) in configs.items():
             runs = samples[name]
-            record = {"config": name, "length": length, "batch": args.batch, "new_tokens": args.new_tokens,
-                      "warmup_s": round(warmup.get(name, float("nan")), 3)}
+            record = {"config": name, "length": length, "batch": args.batch, "prompt_tokens": int(mask.sum()),
+                      "new_tokens": args.new_tokens, "warmup_s": round(warmup.get(name, float("nan")), 3)}
             if not runs:
                 record["note"] = (f"dropped: its call at {dropped[name]} tokens took over {args.no_cache_budget}s, "
                                   "so longer lengths are not timed")
@@ -176,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
             for key in ("ttft_ms", "decode_ms_per_token", "e2e_ms", "peak_mem_mb"):
                 record[key] = round(statistics.median(r[key] for r in runs), 3)
             record["recompiles"] = sum(r["recompiles"] for r in runs)
-            live = args.batch * (length + args.new_tokens - 1)
+            live = int(mask.sum()) + args.batch * (args.new_tokens - 1)
             record["kv_live_bytes"] = live * per_token if name != "stock_no_cache" else 0
             record["kv_reserved_bytes"] = reserved(live)
             records.append(record)
