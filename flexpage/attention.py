@@ -8,8 +8,8 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from .compile import compile_static
-from .masks import PackedBlockMask, ScoreMod, SequenceKV
-from .pages import StepPlan, cdiv
+from .masks import PackedBlockMask, PagedBlockMask, ScoreMod, SequenceKV
+from .pages import cdiv
 
 
 def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options):
@@ -117,42 +117,36 @@ def fresh_prefill_attention(
     query: Tensor,
     key_pool: Tensor,
     value_pool: Tensor,
-    plan: StepPlan,
+    block_mask: PagedBlockMask,
     window: int | None = None,
     scale: float | None = None,
 ) -> Tensor:
     """Causal attention of a prefill from an empty cache, by SDPA over the step's own K/V.
 
     With no earlier tokens, a prefill's keys are exactly the ones it just wrote, so they are
-    gathered back from their slots into one contiguous block and attended with SDPA, whose
-    CPU kernel is faster than FlexAttention over page-sized KV blocks for long prompts.
-    ``query`` is ``[B, Hq, q, D]`` with its tokens in the plan's last ``q`` columns (left
-    padding); ``window`` restricts to a causal sliding window. A left-padded batch is attended
-    row by row over each row's real tokens (causal SDPA skips the padding and the masked half:
-    ``llama-small``'s 8 x 1024 prompts of 576-1024 tokens, 70 instead of 170 ms a layer); padding
-    queries get zeros (their outputs are never used; this keeps them finite).
+    attended with SDPA, whose CPU kernel is faster than FlexAttention over page-sized KV blocks
+    for long prompts. ``query`` is ``[B, Hq, q, D]`` with its tokens in the plan's last ``q``
+    columns (left padding); ``window`` restricts to a causal sliding window. A batch without
+    padding is one causal call over its keys gathered back from their slots; a left-padded one
+    is attended row by row over each row's own tokens in the pools (``prefill_kvs``, as the
+    Engine attends its prefill chunks: the padding is neither computed nor masked; ``llama-small``'s
+    8 x 1024 prompts of 576-1024 tokens, 70 instead of 170 ms a layer); padding queries get zeros
+    (their outputs are never used; this keeps them finite).
     """
+    plan = block_mask.plan
     if not plan.fresh:
         raise ValueError("fresh_prefill_attention needs a step whose rows held no tokens before it")
     q = query.shape[2]
-    slots = plan.slots[:, plan.q_len - q :]  # [B, q]
-    keys = key_pool[0][:, slots].transpose(0, 1)  # [B, Hkv, q, D]
-    values = value_pool[0][:, slots].transpose(0, 1)
-    gqa = query.shape[1] != keys.shape[1]
     if window is None and plan.max_new == q and all(n == q for n in plan.row_lens):  # no padding: plain causal
-        return F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
-    out = query.new_zeros(query.shape)
-    for b, n in enumerate(plan.row_lens):
-        if not n:
-            continue
-        real = slice(q - n, q)
-        allowed = None
-        if window is not None:
-            i = torch.arange(n, device=query.device)
-            allowed = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window)
-        out[b : b + 1, :, real] = F.scaled_dot_product_attention(
-            query[b : b + 1, :, real], keys[b : b + 1, :, real], values[b : b + 1, :, real], attn_mask=allowed,
-            is_causal=allowed is None, scale=scale, enable_gqa=gqa)
+        slots = plan.slots[:, plan.q_len - q :]  # [B, q]
+        keys = key_pool[0][:, slots].transpose(0, 1)  # [B, Hkv, q, D]
+        values = value_pool[0][:, slots].transpose(0, 1)
+        return F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale,
+                                              enable_gqa=query.shape[1] != keys.shape[1])
+    out = query.new_zeros(*query.shape[:3], value_pool.shape[-1])
+    for b, (n, kv) in enumerate(zip(plan.row_lens, block_mask.prefill_kvs(window))):
+        if kv is not None:
+            out[b : b + 1, :, q - n :] = sequence_attention(query[b : b + 1, :, q - n :], key_pool, value_pool, kv, scale)
     return out
 
 

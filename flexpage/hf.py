@@ -327,7 +327,7 @@ def _make_attention(stock: str):
             return out.transpose(1, 2).contiguous(), None
         plan = attention_mask.plan
         if plan.fresh and plan.q_len > 1 and softcap is None:
-            out = fresh_prefill_attention(query, key, value, plan, window, scale=scaling)
+            out = fresh_prefill_attention(query, key, value, attention_mask, window, scale=scaling)
             return out.transpose(1, 2).contiguous(), None
         if plan.q_len == 1 and sdpa_over_pages(query.device, softcap, len(plan.row_ids)):
             out = sequence_attention(query, key, value, attention_mask.decode_kv(window), scale=scaling)

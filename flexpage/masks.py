@@ -282,6 +282,14 @@ class PagedBlockMask(_StepMask):
         (row,) = self.plan.row_ids
         return self._variant(("decode_kv", window), lambda: SequenceKV.for_row(self.page_table, row, window))
 
+    def prefill_kvs(self, window: int | None = None) -> list["SequenceKV | None"]:
+        """The keys of each row's new tokens and their causal mask, for one SDPA call per row of
+        a fresh prefill (None for a row without tokens)."""
+        plan = self.plan
+        return self._variant(("prefill_kvs", window), lambda: [
+            SequenceKV.for_row(self.page_table, row, window, n) if n else None
+            for row, n in zip(plan.row_ids, plan.row_lens)])
+
 
 @dataclass(frozen=True)
 class SequenceKV:

@@ -195,7 +195,7 @@ def test_fresh_prefill_attention_matches_sdpa(window):
     plan, (kp, vp) = write_step(cache, ROWS, keys, values, q_len=256)  # a bucketed plan
     assert plan.fresh
     query = torch.randn(3, 8, 130, HEAD_DIM)  # the forward's 130 positions are the plan's last ones
-    out = flexpage.fresh_prefill_attention(query, kp, vp, plan, window)
+    out = flexpage.fresh_prefill_attention(query, kp, vp, masks.PagedBlockMask.for_step(cache.page_table, plan), window)
     mod = masks.sliding_window(window) if window else None
     for b, n in enumerate(lengths):
         ref = reference_attention(query[b, :, 130 - n :], keys[b], values[b], torch.arange(n), b, mod)
@@ -203,7 +203,7 @@ def test_fresh_prefill_attention_matches_sdpa(window):
         assert (out[b, :, : 130 - n] == 0).all()  # padding queries: zeros, never used
     plan, _ = write_step(cache, ROWS, [k[:, :1] for k in keys], [v[:, :1] for v in values])
     with pytest.raises(ValueError, match="no tokens before"):
-        flexpage.fresh_prefill_attention(query[:, :, :1], kp, vp, plan)
+        flexpage.fresh_prefill_attention(query[:, :, :1], kp, vp, masks.PagedBlockMask.for_step(cache.page_table, plan))
 
 
 @pytest.mark.parametrize("window", [None, 24])
@@ -270,7 +270,8 @@ def test_fresh_prefill_without_padding_is_plain_causal_attention():
     plan, (kp, vp) = write_step(cache, [row], [k], [v])
     query = torch.randn(1, 8, 100, HEAD_DIM)
     ref = reference_attention(query[0], k, v, torch.arange(100), 0)
-    assert (flexpage.fresh_prefill_attention(query, kp, vp, plan)[0] - ref).abs().max() <= 1e-5
+    mask = masks.PagedBlockMask.for_step(cache.page_table, plan)
+    assert (flexpage.fresh_prefill_attention(query, kp, vp, mask)[0] - ref).abs().max() <= 1e-5
 
 
 def test_compiled_kernels_keep_their_graph_limit_on_other_threads(monkeypatch):
