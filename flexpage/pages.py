@@ -8,6 +8,7 @@ tensors that are updated in place, so compiled code that reads them never change
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -17,8 +18,20 @@ import torch
 from .errors import OutOfPagesError
 
 
+_TYPECODES = {torch.int64: "q", torch.int32: "i"}
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def host_tensor(values: Sequence[int], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Host ints as a 1-D tensor on ``device``. On the CPU the tensor wraps the ints' own buffer
+    (``torch.frombuffer``): a step's host work runs right after a forward has evicted every
+    cache, where ``torch.tensor`` of a few ints takes ~100 us and this ~25. Elsewhere: one copy."""
+    if device.type == "cpu" and len(values):
+        return torch.frombuffer(array(_TYPECODES[dtype], values), dtype=dtype)
+    return torch.tensor(values, dtype=dtype, device=device)
 
 
 @dataclass(frozen=True)
@@ -421,13 +434,16 @@ class PageTable:
         page_size, seq_pages, sink = self.page_size, self.seq_pages, self.sink_slot
         slots = [seq_pages[r][p // page_size] * page_size + p % page_size if p >= 0 else sink
                  for r, p in zip(rows, positions)]
-        clamped = [max(p, 0) for p in positions]
-        packed = self._tensor(slots + rows + positions + clamped).view(4, q_len)  # one host-to-device copy
+        fields = (slots, rows, positions, [max(p, 0) for p in positions])
+        if self.device.type == "cpu":  # a tensor over each field's ints: no copy, no views to take
+            slots_t, rows_t, pos_t, ids_t = (self._tensor(values) for values in fields)
+        else:  # one host-to-device copy
+            slots_t, rows_t, pos_t, ids_t = self._tensor([v for values in fields for v in values]).view(4, q_len)
         return PackedPlan(
-            slots=packed[:1],
-            tok_rows=packed[1],
-            tok_pos=packed[2],
-            position_ids=packed[3:],
+            slots=slots_t.view(1, q_len),
+            tok_rows=rows_t,
+            tok_pos=pos_t,
+            position_ids=ids_t.view(1, q_len),
             decode_rows=tuple(decode_rows),
             chunks=tuple(chunks),
             decode_len=decode_len,
@@ -437,8 +453,8 @@ class PageTable:
 
     # ------------------------------------------------------------------ internals
     def _tensor(self, values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        """Host values as a tensor on the table's device (built on the host, one copy)."""
-        return torch.tensor(values, dtype=dtype, device=self.device)
+        """Host values as a tensor on the table's device (``host_tensor``)."""
+        return host_tensor(values, self.device, dtype)
 
     def _pages(self, row: int) -> list[int]:
         if not 0 <= row < self.max_batch_size or self.seq_pages[row] is None:

@@ -304,7 +304,8 @@ def test_a_failed_step_gives_its_slots_back_and_serving_resumes(expected, monkey
 
 @pytest.mark.parametrize("rows, vocab, dtype", [(1, 32000, torch.float32), (32, 32000, torch.float32),
                                                 (5, 1000, torch.float32), (3, 300, torch.bfloat16),
-                                                (2, 1000, torch.float32), (0, 32000, torch.float32)])
+                                                (2, 1000, torch.float32), (4, 1000, torch.float16),
+                                                (0, 32000, torch.float32)])
 def test_greedy_tokens_equal_argmax_with_ties_and_nans(rows, vocab, dtype):
     from flexpage.engine import greedy_tokens
 

@@ -43,5 +43,7 @@ def test_a_subset_of_configurations_led_by_the_engine_over_a_padded_batch(tmp_pa
     assert [r["prompt_tokens"] for r in records] == [64 + 48] * 2 + [256 + 192] * 2  # rows of L and 3L/4 tokens
     engine = [r for r in records if r["config"] == "flexpage_engine"]
     assert all(r["kv_reserved_bytes"] >= r["kv_live_bytes"] > 0 and r["recompiles"] == 0 for r in engine)
+    assert all(r["host_ms_per_step"] > 0 for r in engine)  # the Engine's host work is measured, stock has none
+    assert not any("host_ms_per_step" in r for r in records if r["config"] == "stock_dynamic_sdpa")
     assert [r["kv_live_bytes"] for r in engine] == [  # the real tokens only, as the pages hold them
         (n + 2 * 7) * latency.kv_bytes_per_token(zoo.load("llama-tiny").config, 4) for n in (112, 448)]

@@ -9,8 +9,9 @@ and recompiles during the timed calls. The first call of each configuration at e
 is its warm-up (compiles) and is reported separately, never mixed into the latencies.
 
 Configurations: flexpage (wrap), flexpage_stock_linears (wrap(few_row_linears=False): the model's own
-linear layers), flexpage_compiled (wrap(compile_decode=True)), flexpage_engine (one request
-at a time through an Engine, built and warmed up before timing), stock dynamic cache (sdpa), stock attn_implementation=
+linear layers), flexpage_compiled (wrap(compile_decode=True)), flexpage_engine (each prompt a
+request of an Engine, built and warmed up before timing; its host ms per step is recorded too), stock
+dynamic cache (sdpa), stock attn_implementation=
 "flex_attention", stock static cache (eager and torch.compile'd), stock use_cache=False
 (dropped at longer lengths once it exceeds --no-cache-budget seconds).
 
@@ -48,9 +49,10 @@ def kv_bytes_per_token(config, dtype_bytes: int) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype_bytes
 
 
-def build_configs(model_name: str, max_len: int, page_size: int | None, device: str = "cpu"):
+def build_configs(model_name: str, max_len: int, page_size: int | None, device: str = "cpu", batch: int = 1):
     """name -> (model, extra generate kwargs, kv bytes reserved(length)), every model on ``device``;
-    ``page_size`` None: each of wrap and Engine takes its own default."""
+    ``page_size`` None: each of wrap and Engine takes its own default. The Engine runs ``batch``
+    requests at once (at least 8)."""
     def load(**kwargs):
         return zoo.load(model_name, **kwargs).to(device)
 
@@ -61,7 +63,7 @@ def build_configs(model_name: str, max_len: int, page_size: int | None, device: 
     paged_stock_linears = flexpage.wrap(load(), max_cached_tokens=max_len, few_row_linears=False, **pages)
     compiled_paged = flexpage.wrap(load(), max_cached_tokens=max_len, compile_decode=True, **pages)
     pool_bytes = sum(layer.keys.numel() * 2 * layer.keys.element_size() for layer in paged._flexpage.cache.layers)
-    engine = flexpage.Engine(load(), max_cached_tokens=max_len, max_batch_size=8, max_tokens_per_step=512,
+    engine = flexpage.Engine(load(), max_cached_tokens=max_len, max_batch_size=max(8, batch), max_tokens_per_step=512,
                              prefix_caching=False, **pages)  # repeats recompute
     flex = load(attn_implementation="flex_attention")
     compiled = CompileConfig(fullgraph=False, dynamic=False)
@@ -92,9 +94,11 @@ def run_once(model, ids, mask, new_tokens, extra):
     clock = TokenClock()
     gc.collect()
     graphs = compiled_graphs()
+    host_ms = {}
     with PeakMemory(ids.device) as memory:
         start = time.perf_counter()
         if isinstance(model, flexpage.Engine):  # each prompt its own request, served together
+            model.reset_stats()
             counts = [0] * ids.shape[0]
             prompts = [row[real.bool()].tolist() for row, real in zip(ids, mask)]  # no padding: one request each
             for index, _ in model.stream(prompts, max_new_tokens=new_tokens, eos_token_id=[]):
@@ -102,6 +106,7 @@ def run_once(model, ids, mask, new_tokens, extra):
                     clock.times.append(time.perf_counter())
                 counts[index] += 1
             out_tokens = min(counts)
+            host_ms = {"host_ms_per_step": model.stats().host_ms_per_step}
         else:
             out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
@@ -116,6 +121,7 @@ def run_once(model, ids, mask, new_tokens, extra):
         "peak_mem_mb": memory.peak_mb,
         "recompiles": compiled_graphs() - graphs,
         "tokens": out_tokens,
+        **host_ms,
     }
 
 
@@ -141,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
 
     largest_page = args.page_size or flexpage.hf.CPU_PAGE_SIZE
     max_len = -(-(max(args.lengths) + args.new_tokens) // largest_page) * largest_page  # whole pages per row
-    built = build_configs(args.model, args.batch * max_len, args.page_size, args.device)
+    built = build_configs(args.model, args.batch * max_len, args.page_size, args.device, args.batch)
     config = built["stock_dynamic_sdpa"][0].config  # built whichever configurations are timed
     configs = {k: v for k, v in built.items() if k in args.configs}
     vocab, per_token = config.vocab_size, kv_bytes_per_token(config, 4)
@@ -183,8 +189,9 @@ def main(argv: list[str] | None = None) -> None:
                                   "so longer lengths are not timed")
                 records.append(record)
                 continue
-            for key in ("ttft_ms", "decode_ms_per_token", "e2e_ms", "peak_mem_mb"):
-                record[key] = round(statistics.median(r[key] for r in runs), 3)
+            for key in ("ttft_ms", "decode_ms_per_token", "e2e_ms", "peak_mem_mb", "host_ms_per_step"):
+                if key in runs[0]:  # host work per step: the Engine's alone
+                    record[key] = round(statistics.median(r[key] for r in runs), 3)
             record["recompiles"] = sum(r["recompiles"] for r in runs)
             live = int(mask.sum()) + args.batch * (args.new_tokens - 1)
             record["kv_live_bytes"] = live * per_token if name != "stock_no_cache" else 0
@@ -253,7 +260,8 @@ def print_summary(records: list[dict]) -> None:
                 value = by.get((config, length), {}).get("decode_ms_per_token")
                 ratio = f" ({mine / value:.2f}x)" if mine and value and config != ours else ""
                 cells.append(f"{config}={value if value is not None else '-'}{ratio}")
-            print(f"  L={length}: " + ", ".join(cells))
+            host = by.get((ours, length), {}).get("host_ms_per_step")
+            print(f"  L={length}: " + ", ".join(cells) + (f"; host {host} ms per step" if host is not None else ""))
         xs, ys = _series(records, ours, "decode_ms_per_token")
         if len(ys) > 1:
             print(f"{ours} decode growth {xs[-1]}/{xs[0]}: {ys[-1] / ys[0]:.2f}x; recompiles after warm-up: "
