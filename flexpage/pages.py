@@ -435,7 +435,7 @@ class PageTable:
         slots = [seq_pages[r][p // page_size] * page_size + p % page_size if p >= 0 else sink
                  for r, p in zip(rows, positions)]
         fields = (slots, rows, positions, [max(p, 0) for p in positions])
-        if self.device.type == "cpu":  # a tensor over each field's ints: no copy, no views to take
+        if self.device.type == "cpu":  # a tensor over each field's ints: no copy, fewer ops than views of one
             slots_t, rows_t, pos_t, ids_t = (self._tensor(values) for values in fields)
         else:  # one host-to-device copy
             slots_t, rows_t, pos_t, ids_t = self._tensor([v for values in fields for v in values]).view(4, q_len)
