@@ -308,3 +308,16 @@ def test_prefix_pages_are_reused_then_evicted_least_recent_first():
     pt.truncate(b, 8)  # a write into the registered first page now goes to a private copy
     (src, dst), = pt.extend([b], [1])
     assert src == full[0] and pt.pages_of(b) == [dst] and full[0] in pt.cached_pages
+
+
+@pytest.mark.parametrize("values, dtype", [([5, -1, 2**40], torch.int64), ([7, 0, -3], torch.int32), ([], torch.int64)])
+def test_host_tensor_equals_torch_tensor_and_owns_its_ints(values, dtype):
+    """A step's index tensors wrap their ints' buffer on the CPU: same values, dtype and shape as
+    ``torch.tensor``, valid after the caller's list is gone, and independent of later ones."""
+    from flexpage.pages import host_tensor
+
+    tensor = host_tensor(list(values), torch.device("cpu"), dtype)
+    other = host_tensor([v + 1 for v in values], torch.device("cpu"), dtype)
+    expected = torch.tensor(values, dtype=dtype)
+    assert tensor.dtype == dtype and tensor.shape == expected.shape and torch.equal(tensor, expected)
+    assert torch.equal(other, expected + 1)
