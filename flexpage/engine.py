@@ -19,12 +19,6 @@ from typing import Sequence as Seq
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
 from .attention import sdpa_over_pages
 from .errors import InvalidRequestError, OutOfPagesError, StepFailedError
@@ -32,6 +26,7 @@ from .hf import wrap
 from .masks import PackedBlockMask
 from .pages import cdiv, host_tensor
 from .parallel import RankSync
+from .sampling import greedy_tokens, sample_tokens
 from .scheduler import Scheduler, Sequence
 
 # query block of prefill chunks where FlexAttention attends them (Triton's smallest tile); where SDPA
@@ -72,16 +67,6 @@ class SamplingParams:
     def stop_tokens(self) -> frozenset[int]:
         eos = self.eos_token_id
         return frozenset() if eos is None else frozenset([eos] if isinstance(eos, int) else eos)
-
-    def warpers(self) -> LogitsProcessorList:
-        warpers = LogitsProcessorList()
-        if self.temperature != 1.0:
-            warpers.append(TemperatureLogitsWarper(self.temperature))
-        if self.top_k is not None:
-            warpers.append(TopKLogitsWarper(self.top_k))
-        if self.top_p is not None and self.top_p < 1.0:
-            warpers.append(TopPLogitsWarper(self.top_p))
-        return warpers
 
 
 @dataclass(frozen=True)
@@ -356,10 +341,9 @@ class Engine:
             self.scheduler.register_pages(seq)
         produced = []
         self.step_logprobs = {}
-        greedy = greedy_tokens(logits)  # one call for every greedy sequence of the step
-        for seq, row in self._with_forks(sampled):
+        picks = list(self._with_forks(sampled))  # each sequence with its row of the logits
+        for (seq, row), token in zip(picks, self._next_tokens(logits, picks)):
             params = self._sampling[seq.index][0]
-            token = self._sample(seq, logits[row]) if params.do_sample else greedy[row]
             if params.logprobs is not None:
                 self.step_logprobs[seq.index] = _logprobs(logits[row], token, params.logprobs)
             seq.append(token)
@@ -479,10 +463,22 @@ class Engine:
                 seq.forks = 0
             yield seq, row
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
-        params, generator = self._sampling[seq.index]
-        scores = params.warpers()(torch.tensor([seq.tokens]), logits[None].float())
-        return int(torch.multinomial(scores.softmax(-1), 1, generator=generator))
+    def _next_tokens(self, logits: torch.Tensor, picks: list[tuple[Sequence, int]]) -> list[int]:
+        """Each sequence's next token from its row of ``logits``: greedy ones by one argmax over
+        the step, sampled ones by one draw over the step (``sample_tokens``), each from its
+        request's generator."""
+        settings = [self._sampling[seq.index] for seq, _ in picks]
+        drawn = [i for i, (params, _) in enumerate(settings) if params.do_sample]
+        greedy = greedy_tokens(logits) if len(drawn) < len(picks) else None  # the argmax of every row
+        tokens = [0 if greedy is None else greedy[row] for _, row in picks]
+        if drawn:
+            params = [settings[i][0] for i in drawn]
+            rows = logits[host_tensor([picks[i][1] for i in drawn], logits.device)]
+            sampled = sample_tokens(rows, [p.temperature for p in params], [p.top_k for p in params],
+                                    [p.top_p for p in params], [settings[i][1] for i in drawn])
+            for i, token in zip(drawn, sampled):
+                tokens[i] = token
+        return tokens
 
     def _checked(self, prompt: Seq[int] | str, params: SamplingParams) -> list[int]:
         """The prompt's token ids, or ``InvalidRequestError`` saying why it cannot be served."""
@@ -558,19 +554,6 @@ class Engine:
         self._generated += produced
         self.history.append(StepRecord(time.perf_counter(), len(batch.decode), sum(n for _, n in batch.chunks),
                                        stats.pages_used, stats.utilisation))
-
-
-def greedy_tokens(logits: torch.Tensor) -> list[int]:
-    """``logits.argmax(-1).tolist()`` for ``[rows, vocab]`` logits, 2-4x faster on CPU.
-
-    torch's CPU argmax over a row doesn't vectorise (30 us for one row of 32000 floats, 0.44 ms
-    for 32); NumPy's does (3 us and 0.08 ms), and it touches less code right after a forward,
-    when every cache is cold (23 vs 48 us for one row). Ties and NaNs resolve as argmax's do
-    (the first one wins). Other devices and dtypes (NumPy has no bfloat16 and a slower float16
-    argmax than torch's) take torch's argmax."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return logits.numpy().argmax(-1).tolist()
-    return logits.argmax(-1).tolist()
 
 
 def _logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:

@@ -300,23 +300,3 @@ def test_a_failed_step_gives_its_slots_back_and_serving_resumes(expected, monkey
     for i, token in engine.run():
         outputs[i].append(token)
     assert [outputs[i] for i in range(3)] == expected[:3]
-
-
-@pytest.mark.parametrize("rows, vocab, dtype", [(1, 32000, torch.float32), (32, 32000, torch.float32),
-                                                (5, 1000, torch.float32), (3, 300, torch.bfloat16),
-                                                (2, 1000, torch.float32), (4, 1000, torch.float16),
-                                                (0, 32000, torch.float32)])
-def test_greedy_tokens_equal_argmax_with_ties_and_nans(rows, vocab, dtype):
-    from flexpage.engine import greedy_tokens
-
-    torch.manual_seed(rows)
-    logits = torch.randn(rows, vocab).to(dtype)
-    if rows == 0:  # a step whose chunks all stop mid-prompt samples nothing
-        assert greedy_tokens(logits) == []
-        return
-    logits[0, [7, vocab - 1]] = 100.0  # a tie: the first index wins
-    logits[-1, :] = float("-inf")  # nothing finite
-    if rows > 2:
-        logits[1, [vocab // 2, 3]] = float("nan")  # the first NaN wins, as in argmax
-        logits[2, vocab - 1] = 100.0  # the maximum in the last, partial block
-    assert greedy_tokens(logits) == logits.argmax(-1).tolist()

@@ -1,0 +1,90 @@
+"""Picking next tokens (``flexpage.sampling``) against the reference: ``argmax`` for greedy
+rows, transformers' own warpers + softmax for sampled ones."""
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from flexpage.sampling import FIRST_WIDTH, greedy_tokens, kept_candidates, sample_tokens
+
+
+@pytest.mark.parametrize("rows, vocab, dtype", [(1, 32000, torch.float32), (32, 32000, torch.float32),
+                                                (5, 1000, torch.float32), (3, 300, torch.bfloat16),
+                                                (2, 1000, torch.float32), (4, 1000, torch.float16),
+                                                (0, 32000, torch.float32)])
+def test_greedy_tokens_equal_argmax_with_ties_and_nans(rows, vocab, dtype):
+    torch.manual_seed(rows)
+    logits = torch.randn(rows, vocab).to(dtype)
+    if rows == 0:  # a step whose chunks all stop mid-prompt samples nothing
+        assert greedy_tokens(logits) == []
+        return
+    logits[0, [7, vocab - 1]] = 100.0  # a tie: the first index wins
+    logits[-1, :] = float("-inf")  # nothing finite
+    if rows > 2:
+        logits[1, [vocab // 2, 3]] = float("nan")  # the first NaN wins, as in argmax
+        logits[2, vocab - 1] = 100.0  # the maximum in the last, partial block
+    assert greedy_tokens(logits) == logits.argmax(-1).tolist()
+
+
+def warped_probs(logits, temperature, top_k, top_p):
+    """The reference: the distribution ``generate()`` samples from, one row at a time."""
+    rows = []
+    for row, t, k, p in zip(logits, temperature, top_k, top_p):
+        warpers = LogitsProcessorList([TemperatureLogitsWarper(t)] if t != 1.0 else [])
+        if k is not None:
+            warpers.append(TopKLogitsWarper(k))
+        if p is not None and p < 1.0:
+            warpers.append(TopPLogitsWarper(p))
+        rows.append(warpers(torch.zeros(1, 1, dtype=torch.long), row[None].float()).softmax(-1)[0])
+    return torch.stack(rows)
+
+
+SETTINGS = [  # (temperature, top_k, top_p) per row
+    (1.0, 50, None), (0.7, None, 0.9), (1.3, 20, 0.8), (0.5, 1, None), (1.0, None, 0.5), (2.0, 5000, 0.95),
+]
+
+
+@pytest.mark.parametrize("vocab, spread", [(1000, 3.0), (5000, 0.1)])  # peaked; flat (top-p widens its candidates)
+def test_kept_candidates_are_transformers_warped_distribution(vocab, spread):
+    torch.manual_seed(vocab)
+    logits = torch.randn(len(SETTINGS), vocab) * spread
+    temperature, top_k, top_p = zip(*SETTINGS)
+    scores = logits / torch.tensor(temperature)[:, None]
+    ids, probs = kept_candidates(scores, top_k, top_p)
+    assert vocab < FIRST_WIDTH or ids.shape[1] > FIRST_WIDTH  # the flat nucleus needed more candidates
+    got = torch.zeros_like(logits).scatter(1, ids, probs)
+    expected = warped_probs(logits, temperature, top_k, top_p)
+    assert torch.equal(got > 0, expected > 0)  # the same tokens kept
+    torch.testing.assert_close(got / got.sum(-1, keepdim=True), expected, atol=1e-6, rtol=1e-4)
+
+
+def test_draws_follow_the_warped_distribution_and_never_removed_tokens():
+    torch.manual_seed(0)
+    logits = torch.randn(len(SETTINGS) + 1, 12) * 2  # the last row: plain sampling over the whole vocabulary
+    settings = SETTINGS + [(1.0, None, None)]
+    temperature, top_k, top_p = zip(*settings)
+    expected = warped_probs(logits, temperature, top_k, top_p)
+    draws = 3000
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.tensor([sample_tokens(logits, temperature, top_k, top_p, [generator] * len(settings))
+                           for _ in range(draws)])  # [draws, rows]
+    counts = torch.stack([torch.bincount(tokens[:, r], minlength=12) for r in range(len(settings))])
+    assert not bool(counts[expected == 0].any())  # a removed token is never drawn
+    assert (counts / draws - expected).abs().max() < 0.035  # ~4 standard deviations at 3000 draws
+
+
+def test_each_row_draws_from_its_own_generator():
+    logits = torch.randn(3, 500)
+    settings = ([0.8] * 3, [None, 40, None], [None, None, 0.9])
+
+    def draw(seeds):
+        return sample_tokens(logits, *settings, [torch.Generator().manual_seed(s) for s in seeds])
+
+    assert draw([1, 2, 3]) == draw([1, 2, 3])
+    assert draw([1, 2, 3])[1:] == draw([9, 2, 3])[1:]  # a row's seed changes that row only
+    assert [draw([s, 2, 3])[0] for s in range(20)] != [draw([1, 2, 3])[0]] * 20
