@@ -1,7 +1,7 @@
 """Latency vs context length: flexpage vs stock transformers generate(), side by side in one process.
 
-For each context length (prompt tokens), each configuration generates N new tokens (greedy,
-batch 1 by default; with ``--batch B`` the B prompts have mixed lengths, left-padded to the
+For each context length (prompt tokens), each configuration generates N new tokens (greedy, or
+with ``--sample`` sampled at temperature 0.8 and top-k 50; batch 1 by default; with ``--batch B`` the B prompts have mixed lengths, left-padded to the
 context length as a tokenizer pads a batch: row b holds ``length - b * length // (2B)`` tokens,
 from the full length down to about half of it) and we record time to first token, per-token decode latency (median
 inter-token time), end-to-end latency, peak extra process memory, KV bytes reserved vs live,
@@ -90,7 +90,10 @@ def batch_prompts(length: int, batch: int, vocab: int, device: str) -> tuple[tor
     return (ids * real).to(device), real.long().to(device)
 
 
-def run_once(model, ids, mask, new_tokens, extra):
+SAMPLING = {"do_sample": True, "temperature": 0.8, "top_k": 50}  # --sample: what every configuration draws with
+
+
+def run_once(model, ids, mask, new_tokens, extra, sampling):
     clock = TokenClock()
     gc.collect()
     graphs = compiled_graphs()
@@ -101,7 +104,7 @@ def run_once(model, ids, mask, new_tokens, extra):
             model.reset_stats()
             counts = [0] * ids.shape[0]
             prompts = [row[real.bool()].tolist() for row, real in zip(ids, mask)]  # no padding: one request each
-            for index, _ in model.stream(prompts, max_new_tokens=new_tokens, eos_token_id=[]):
+            for index, _ in model.stream(prompts, max_new_tokens=new_tokens, eos_token_id=[], **sampling):
                 if index == 0:  # one timestamp per step, as generate()'s logits processor gives
                     clock.times.append(time.perf_counter())
                 counts[index] += 1
@@ -109,7 +112,7 @@ def run_once(model, ids, mask, new_tokens, extra):
             host_ms = {"host_ms_per_step": model.stats().host_ms_per_step}
         else:
             out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
-                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                                 min_new_tokens=new_tokens, pad_token_id=0, **sampling,
                                  logits_processor=LogitsProcessorList([clock]), **extra)
             out_tokens = out.shape[1] - ids.shape[1]
         end = time.perf_counter()
@@ -139,11 +142,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-cache-budget", type=float, default=20.0,
                         help="seconds: stock_no_cache stops at the first length whose call takes longer")
     parser.add_argument("--probe-tolerance", type=float, default=1.5)
+    parser.add_argument("--sample", action="store_true",
+                        help=f"every configuration samples ({SAMPLING}) instead of decoding greedily")
     add_run_arguments(parser, "llama-tiny, lengths 64 and 256, 8 new tokens, 2 repeats", "latency")
     args = parser.parse_args(argv)
     args.model = zoo.chosen_model(args)
     if args.quick:
         args.lengths, args.new_tokens, args.repeats = [64, 256], 8, 2
+    sampling = SAMPLING if args.sample else {"do_sample": False}
 
     largest_page = args.page_size or flexpage.hf.CPU_PAGE_SIZE
     max_len = -(-(max(args.lengths) + args.new_tokens) // largest_page) * largest_page  # whole pages per row
@@ -160,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, (model, extra, _) in configs.items():  # warm-up: compiles, first-touch allocations
             if name not in dropped:
                 start = time.perf_counter()
-                run_once(model, ids, mask, args.new_tokens, extra)
+                run_once(model, ids, mask, args.new_tokens, extra, sampling)
                 warmup[name] = time.perf_counter() - start
                 if name == "stock_no_cache" and warmup[name] > args.no_cache_budget:
                     dropped[name] = length
@@ -173,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
                     continue
                 for _attempt in range(3):
                     before = matmul_probe_ms()
-                    result = run_once(model, ids, mask, args.new_tokens, extra)
+                    result = run_once(model, ids, mask, args.new_tokens, extra, sampling)
                     after = matmul_probe_ms()
                     best_probe = min(best_probe, before, after)
                     if max(before, after) <= args.probe_tolerance * best_probe:
@@ -200,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     progress.close()
     meta = {"machine": machine_info(), "model": args.model, "batch": args.batch, "new_tokens": args.new_tokens,
             "repeats": args.repeats, "page_size": args.page_size or "defaults", "dtype": "float32", "device": args.device,
-            "dropped": dropped, "command": " ".join(sys.argv)}
+            "dropped": dropped, "sampling": sampling, "command": " ".join(sys.argv)}
     stem = os.path.join(out_dir(args), args.name)
     write_records(stem, records, meta)
     plot(records, meta, stem)
