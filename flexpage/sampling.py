@@ -62,9 +62,10 @@ def kept_candidates(scores: Tensor, top_k: Sequence[int | None], top_p: Sequence
     warper removes the token; every token outside ``ids`` is removed). As the warpers compute
     them, up to ties with the k-th score past the candidates and float rounding at the nucleus
     boundary (the warper sums probabilities from the smallest up, this from the largest down)."""
-    rows, vocab = scores.shape
+    vocab = scores.shape[1]
     ks = torch.tensor([vocab if k is None else min(k, vocab) for k in top_k], device=scores.device)
-    ps = torch.tensor([1.0 if p is None else p for p in top_p], device=scores.device)
+    # no top-p (None, or 1 as the warper skips it): a bound no mass reaches, so nothing is removed
+    ps = torch.tensor([float("inf") if p is None or p >= 1 else p for p in top_p], device=scores.device)
     width = min(vocab, max(FIRST_WIDTH if k is None else k for k in top_k))
     cut = ks < vocab  # rows whose top-k removes tokens: every token they keep is a candidate
     whole = None if bool(cut.all()) else scores.logsumexp(-1)  # rows without top-k: over the whole vocabulary

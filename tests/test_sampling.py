@@ -46,6 +46,7 @@ def warped_probs(logits, temperature, top_k, top_p):
 
 SETTINGS = [  # (temperature, top_k, top_p) per row
     (1.0, 50, None), (0.7, None, 0.9), (1.3, 20, 0.8), (0.5, 1, None), (1.0, None, 0.5), (2.0, 5000, 0.95),
+    (0.3, 30, 1.0),
 ]
 
 
@@ -61,6 +62,15 @@ def test_kept_candidates_are_transformers_warped_distribution(vocab, spread):
     expected = warped_probs(logits, temperature, top_k, top_p)
     assert torch.equal(got > 0, expected > 0)  # the same tokens kept
     torch.testing.assert_close(got / got.sum(-1, keepdim=True), expected, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("top_p", [None, 1.0])
+def test_no_top_p_removes_nothing_even_behind_a_near_certain_token(top_p):
+    logits = torch.tensor([[20.0, 0.0, -1.0, -2.0, -30.0, -40.0]])  # the first token's probability rounds to 1
+    ids, probs = kept_candidates(logits, [3], [top_p])
+    got = torch.zeros_like(logits).scatter(1, ids, probs)
+    expected = warped_probs(logits, [1.0], [3], [top_p])
+    assert torch.equal(got > 0, expected > 0) and int((got > 0).sum()) == 3
 
 
 def test_draws_follow_the_warped_distribution_and_never_removed_tokens():
