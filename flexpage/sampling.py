@@ -48,7 +48,8 @@ def sample_tokens(logits: Tensor, temperature: Sequence[float], top_k: Sequence[
         for i, token in zip(whole, picked.tolist()):
             tokens[i] = token
     if narrowed:
-        ids, weights = kept_candidates(_rows(scores, narrowed), [top_k[i] for i in narrowed], [top_p[i] for i in narrowed])
+        ids, weights = kept_candidates(_rows(scores, narrowed), [top_k[i] for i in narrowed],
+                                       [top_p[i] for i in narrowed])
         picked = ids.gather(1, _draw(weights, [generators[i] for i in narrowed])[:, None])
         for i, token in zip(narrowed, picked[:, 0].tolist()):
             tokens[i] = token
