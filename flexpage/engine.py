@@ -473,7 +473,8 @@ class Engine:
         tokens = [0 if greedy is None else greedy[row] for _, row in picks]
         if drawn:
             params = [settings[i][0] for i in drawn]
-            rows = logits[host_tensor([picks[i][1] for i in drawn], logits.device)]
+            index = [picks[i][1] for i in drawn]  # no copy of the logits when every row samples
+            rows = logits if index == list(range(len(logits))) else logits[host_tensor(index, logits.device)]
             sampled = sample_tokens(rows, [p.temperature for p in params], [p.top_k for p in params],
                                     [p.top_p for p in params], [settings[i][1] for i in drawn])
             for i, token in zip(drawn, sampled):

@@ -34,14 +34,14 @@ def test_notebook_runs_quick_benchmark_and_draws_it(tmp_path, monkeypatch):
 def test_a_subset_of_configurations_led_by_the_engine_over_a_padded_batch(tmp_path):
     """``--configs`` may leave out every wrapped model: the Engine leads the records. A batch
     holds prompts of mixed lengths (left-padded for stock, one request each for the Engine);
-    ``--sample`` makes both sample."""
+    ``--sample top-p`` makes both sample with top-p."""
     from flexpage.bench import latency
 
-    latency.main(["--quick", "--batch", "2", "--sample", "--configs", "flexpage_engine", "stock_dynamic_sdpa",
+    latency.main(["--quick", "--batch", "2", "--sample", "top-p", "--configs", "flexpage_engine", "stock_dynamic_sdpa",
                   "--out", str(tmp_path), "--name", "subset"])
     data = json.loads((tmp_path / "subset.json").read_text())
     records = data["records"]
-    assert data["meta"]["sampling"] == latency.SAMPLING  # the run records how every configuration drew
+    assert data["meta"]["sampling"] == latency.SAMPLING["top-p"]  # the run records how every configuration drew
     assert [r["config"] for r in records] == ["flexpage_engine", "stock_dynamic_sdpa"] * 2  # lengths 64, 256
     assert [r["prompt_tokens"] for r in records] == [64 + 48] * 2 + [256 + 192] * 2  # rows of L and 3L/4 tokens
     engine = [r for r in records if r["config"] == "flexpage_engine"]

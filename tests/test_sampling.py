@@ -10,7 +10,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from flexpage.sampling import FIRST_WIDTH, greedy_tokens, kept_candidates, sample_tokens
+from flexpage import sampling
+from flexpage.sampling import greedy_tokens, kept_candidates, sample_tokens, top_p_filtered
 
 
 @pytest.mark.parametrize("rows, vocab, dtype", [(1, 32000, torch.float32), (32, 32000, torch.float32),
@@ -50,30 +51,52 @@ SETTINGS = [  # (temperature, top_k, top_p) per row
 ]
 
 
-@pytest.mark.parametrize("vocab, spread", [(1000, 3.0), (5000, 0.1)])  # peaked; flat (top-p widens its candidates)
+@pytest.mark.parametrize("vocab, spread", [(1000, 3.0), (8000, 0.1)])  # peaked; flat (nuclei past the candidates)
 def test_kept_candidates_are_transformers_warped_distribution(vocab, spread):
     torch.manual_seed(vocab)
     logits = torch.randn(len(SETTINGS), vocab) * spread
     temperature, top_k, top_p = zip(*SETTINGS)
-    scores = logits / torch.tensor(temperature)[:, None]
-    ids, probs = kept_candidates(scores, top_k, top_p)
-    assert vocab < FIRST_WIDTH or ids.shape[1] > FIRST_WIDTH  # the flat nucleus needed more candidates
-    got = torch.zeros_like(logits).scatter(1, ids, probs)
+    ids, probs, within = kept_candidates(logits, temperature, top_k, top_p)
     expected = warped_probs(logits, temperature, top_k, top_p)
-    assert torch.equal(got > 0, expected > 0)  # the same tokens kept
-    torch.testing.assert_close(got / got.sum(-1, keepdim=True), expected, atol=1e-6, rtol=1e-4)
+    # a row is within its candidates when top-k cut it or its nucleus fits them
+    fits = torch.tensor([k is not None or (expected[r] > 0).sum() <= ids.shape[1] for r, k in enumerate(top_k)])
+    assert torch.equal(within, fits) and (spread > 1 or not bool(fits.all()))
+    got = torch.zeros_like(logits).scatter(1, ids, probs)[within]
+    assert torch.equal(got > 0, expected[within] > 0)  # the same tokens kept
+    torch.testing.assert_close(got / got.sum(-1, keepdim=True), expected[within], atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("vocab, spread", [(5000, 0.1), (32000, 3.0), (7, 1.0)])
+def test_top_p_filtered_keeps_the_warpers_nucleus_over_the_whole_vocabulary(vocab, spread):
+    torch.manual_seed(vocab)
+    top_p = [0.9, 0.5, 0.99, 0.2, 1e-4]
+    logits = torch.randn(len(top_p), vocab) * spread
+    probs = logits.softmax(-1)
+    got = top_p_filtered(probs, top_p)
+    expected = warped_probs(logits, [1.0] * len(top_p), [None] * len(top_p), top_p)
+    # float32 sums in another order may decide a token whose tokens above hold p within rounding
+    # (2e-6 at 0.99 over 9,000 tokens) either way: the mass above each token, summed in float64
+    order = probs.double().sort(-1, descending=True)
+    above = torch.empty_like(order.values).scatter(1, order.indices, order.values.cumsum(-1) - order.values)
+    decided = (above - torch.tensor(top_p, dtype=torch.float64)[:, None]).abs() > 1e-5
+    assert torch.equal((got > 0)[decided], (expected > 0)[decided])
+    assert int(decided.sum()) > 0.999 * decided.numel()  # all but a few boundary tokens are checked
+    assert bool(((got > 0) == (got == probs)).all())  # a kept token keeps its probability
+    assert int((got[-1] > 0).sum()) == 1  # a tiny top-p keeps the most likely token alone
 
 
 @pytest.mark.parametrize("top_p", [None, 1.0])
 def test_no_top_p_removes_nothing_even_behind_a_near_certain_token(top_p):
     logits = torch.tensor([[20.0, 0.0, -1.0, -2.0, -30.0, -40.0]])  # the first token's probability rounds to 1
-    ids, probs = kept_candidates(logits, [3], [top_p])
+    ids, probs, within = kept_candidates(logits, [1.0], [3], [top_p])
     got = torch.zeros_like(logits).scatter(1, ids, probs)
     expected = warped_probs(logits, [1.0], [3], [top_p])
-    assert torch.equal(got > 0, expected > 0) and int((got > 0).sum()) == 3
+    assert torch.equal(got > 0, expected > 0) and int((got > 0).sum()) == 3 and bool(within.all())
 
 
-def test_draws_follow_the_warped_distribution_and_never_removed_tokens():
+@pytest.mark.parametrize("first_width", [1024, 3])  # 3: the top-p rows' nuclei pass their candidates
+def test_draws_follow_the_warped_distribution_and_never_removed_tokens(first_width, monkeypatch):
+    monkeypatch.setattr(sampling, "FIRST_WIDTH", first_width)
     torch.manual_seed(0)
     logits = torch.randn(len(SETTINGS) + 1, 12) * 2  # the last row: plain sampling over the whole vocabulary
     settings = SETTINGS + [(1.0, None, None)]

@@ -1,7 +1,8 @@
 """Latency vs context length: flexpage vs stock transformers generate(), side by side in one process.
 
 For each context length (prompt tokens), each configuration generates N new tokens (greedy, or
-with ``--sample`` sampled at temperature 0.8 and top-k 50; batch 1 by default; with ``--batch B``
+with ``--sample`` sampled: ``top-k`` temperature 0.8 and top-k 50, ``top-p`` temperature 0.7 and
+top-p 0.9; batch 1 by default; with ``--batch B``
 the B prompts have mixed lengths, left-padded to the context length as a tokenizer pads a batch:
 row b holds ``length - b * length // (2B)`` tokens, from the full length down to about half of
 it) and we record time to first token, per-token decode latency (median inter-token time),
@@ -91,7 +92,10 @@ def batch_prompts(length: int, batch: int, vocab: int, device: str) -> tuple[tor
     return (ids * real).to(device), real.long().to(device)
 
 
-SAMPLING = {"do_sample": True, "temperature": 0.8, "top_k": 50}  # --sample: what every configuration draws with
+SAMPLING = {  # --sample: what every configuration draws with
+    "top-k": {"do_sample": True, "temperature": 0.8, "top_k": 50},
+    "top-p": {"do_sample": True, "temperature": 0.7, "top_p": 0.9},
+}
 
 
 def run_once(model, ids, mask, new_tokens, extra, sampling):
@@ -143,14 +147,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-cache-budget", type=float, default=20.0,
                         help="seconds: stock_no_cache stops at the first length whose call takes longer")
     parser.add_argument("--probe-tolerance", type=float, default=1.5)
-    parser.add_argument("--sample", action="store_true",
+    parser.add_argument("--sample", nargs="?", const="top-k", choices=sorted(SAMPLING),
                         help=f"every configuration samples ({SAMPLING}) instead of decoding greedily")
     add_run_arguments(parser, "llama-tiny, lengths 64 and 256, 8 new tokens, 2 repeats", "latency")
     args = parser.parse_args(argv)
     args.model = zoo.chosen_model(args)
     if args.quick:
         args.lengths, args.new_tokens, args.repeats = [64, 256], 8, 2
-    sampling = SAMPLING if args.sample else {"do_sample": False}
+    sampling = SAMPLING[args.sample] if args.sample else {"do_sample": False}
 
     largest_page = args.page_size or flexpage.hf.CPU_PAGE_SIZE
     max_len = -(-(max(args.lengths) + args.new_tokens) // largest_page) * largest_page  # whole pages per row
