@@ -44,18 +44,14 @@ def sample_tokens(logits: Tensor, temperature: Sequence[float], top_k: Sequence[
     top_p = [p if p is not None and p < 1 else None for p in top_p]  # the warper skips a top-p of 1
     uniform = torch.cat([torch.rand(1, generator=g, device=logits.device) for g in generators])
     tokens = [0] * rows
-    narrowed = [i for i in range(rows) if top_k[i] is not None or top_p[i] is not None]
-    whole = [i for i in range(rows) if top_k[i] is None and top_p[i] is None]
-    if narrowed:
-        ids, probs, within = kept_candidates(_rows(logits, narrowed), [temperature[i] for i in narrowed],
-                                             [top_k[i] for i in narrowed], [top_p[i] for i in narrowed])
-        flags = within.tolist()
-        done = [j for j in range(len(narrowed)) if flags[j]]
-        if done:
-            drawn = _draw(_rows(probs, done), uniform[[narrowed[j] for j in done]])
-            for j, token in zip(done, _rows(ids, done).gather(1, drawn[:, None])[:, 0].tolist()):
-                tokens[narrowed[j]] = token
-        whole = sorted(whole + [narrowed[j] for j in range(len(narrowed)) if not flags[j]])  # wide nuclei
+    cut = [i for i in range(rows) if top_k[i] is not None]
+    whole = [i for i in range(rows) if top_k[i] is None]
+    if cut:  # the k largest logits hold everything the row keeps
+        ids, probs = kept_candidates(_rows(logits, cut), [temperature[i] for i in cut],
+                                     [top_k[i] for i in cut], [top_p[i] for i in cut])
+        picked = ids.gather(1, _draw(probs, uniform[cut])[:, None])
+        for i, token in zip(cut, picked[:, 0].tolist()):
+            tokens[i] = token
     if whole:  # over the whole vocabulary, in its own order
         probs = _scaled(_rows(logits, whole), [temperature[i] for i in whole]).softmax(-1)
         nucleus = [j for j, i in enumerate(whole) if top_p[i] is not None]
@@ -66,43 +62,55 @@ def sample_tokens(logits: Tensor, temperature: Sequence[float], top_k: Sequence[
     return tokens
 
 
-def kept_candidates(logits: Tensor, temperature: Sequence[float], top_k: Sequence[int | None],
-                    top_p: Sequence[float | None]) -> tuple[Tensor, Tensor, Tensor]:
-    """``(ids, probs, within)``: ``ids`` and ``probs`` ``[rows, width]`` are each row's largest
-    logits, best first, and their probabilities after temperature and transformers'
-    ``TopKLogitsWarper`` and ``TopPLogitsWarper`` (0 where a warper removes the token; every token
-    outside ``ids`` is removed), for the rows where ``within`` ``[rows]`` is true: a row without
-    top-k whose nucleus is wider than its candidates is not (``top_p_filtered`` serves it). As the
-    warpers compute them, up to ties with the k-th score past the candidates and float rounding at
-    the nucleus boundary (the warper sums probabilities from the smallest up, this from the largest
-    down)."""
-    vocab = logits.shape[1]
-    ks = torch.tensor([vocab if k is None else min(k, vocab) for k in top_k], device=logits.device)
+def kept_candidates(logits: Tensor, temperature: Sequence[float], top_k: Sequence[int],
+                    top_p: Sequence[float | None]) -> tuple[Tensor, Tensor]:
+    """``(ids, probs)``, both ``[rows, max(top_k)]``: each row's largest logits, best first, and
+    their probabilities after temperature and transformers' ``TopKLogitsWarper`` and
+    ``TopPLogitsWarper`` (0 where a warper removes the token; every token outside ``ids`` is
+    removed). As the warpers compute them, up to ties with the k-th score past the candidates and
+    float rounding at the nucleus boundary (the warper sums probabilities from the smallest up,
+    this from the largest down)."""
+    ks = torch.tensor(top_k, device=logits.device)
     # no top-p (None, or 1 as the warper skips it): a bound no mass reaches, so nothing is removed
     ps = torch.tensor([float("inf") if p is None or p >= 1 else p for p in top_p], device=logits.device)
-    width = min(vocab, max(FIRST_WIDTH if k is None else k for k in top_k))
-    values, ids = logits.topk(width, dim=-1)  # largest first; dividing by a temperature keeps the order
+    # largest first; dividing by a temperature keeps their order
+    values, ids = logits.topk(min(max(top_k), logits.shape[1]), dim=-1)
     values = _scaled(values, temperature)
-    kth = values.gather(1, (ks.clamp_max(width) - 1)[:, None])
+    kth = values.gather(1, (ks.clamp_max(values.shape[1]) - 1)[:, None])
     values = values.masked_fill(values < kth, float("-inf"))  # top-k: below the k-th score goes
-    cut = ks < vocab  # rows whose top-k removes tokens: every token they keep is a candidate
-    total = values.logsumexp(-1)
-    if not bool(cut.all()):  # rows without top-k: normalised over the whole vocabulary
-        total = torch.where(cut, total, _scaled(logits, temperature).logsumexp(-1))
-    probs = (values - total[:, None]).exp()  # each candidate's share of what top-k kept
-    mass = probs.cumsum(-1)
-    probs = probs.masked_fill(mass - probs >= ps[:, None], 0.0)  # top-p: the mass above a kept token is < p
-    return ids, probs, cut | (mass[:, -1] >= ps) | (width == vocab)
+    probs = values.softmax(-1)  # each candidate's share of what top-k kept
+    above = probs.cumsum(-1) - probs
+    return ids, probs.masked_fill(above >= ps[:, None], 0.0)  # top-p: the mass above a kept token is < p
 
 
 def top_p_filtered(probs: Tensor, top_p: Sequence[float]) -> Tensor:
     """``probs`` ``[rows, vocab]`` with what ``TopPLogitsWarper`` removes set to 0, without a sort
-    (1.8-2.5 ms a row of 32,000 on our CPU): a token is kept when the tokens above it hold less than
-    ``top_p``, i.e. when its probability is at least the largest value ``t`` whose tokens at or above
-    it hold ``top_p`` or more. A non-negative float orders as its bits, so ``t`` is found exactly
-    by a radix select over them: three passes of a mass histogram, each fixing the next bits. All
-    in int32 arithmetic: on our CPU int64 shifts and comparisons into bool masks run ~10x slower."""
+    of the whole vocabulary: a token is kept when the tokens above it hold less than ``top_p``, i.e.
+    when its probability is at least the largest value ``t`` whose tokens at or above it hold
+    ``top_p`` or more. ``t`` comes from the row's ``FIRST_WIDTH`` largest probabilities when they
+    hold ``top_p``; otherwise (a flat distribution) from ``_radix_select``. Float rounding may
+    decide a token whose tokens above hold ``top_p`` within it otherwise than the warper does."""
     ps = torch.tensor(top_p, device=probs.device)[:, None]
+    threshold = torch.full_like(ps, -1.0)  # -1: not found yet
+    # the candidates cannot hold p when even the largest probability times their count is less
+    peaked = (probs.amax(-1, keepdim=True) * FIRST_WIDTH >= ps)[:, 0].nonzero()[:, 0].tolist()
+    if peaked:
+        values = _rows(probs, peaked).topk(min(FIRST_WIDTH, probs.shape[1]), dim=-1).values
+        reached = (values.cumsum(-1) < ps[peaked]).sum(-1, keepdim=True)  # candidates before p is reached
+        last = values.gather(1, reached.clamp_max(values.shape[1] - 1))
+        threshold[peaked] = torch.where(reached < values.shape[1], last, -1.0)
+    flat = (threshold < 0)[:, 0].nonzero()[:, 0].tolist()
+    if flat:  # t's bits; 0 when the mass rounds below p: everything is kept
+        threshold[flat] = _radix_select(_rows(probs, flat), ps[flat]).view(torch.float32)
+    # 1 where a probability's bits are at least t's (int32 arithmetic: a bool mask is slower here)
+    return probs * (probs.view(torch.int32) - threshold.view(torch.int32) + 1).clamp_(0, 1)
+
+
+def _radix_select(probs: Tensor, ps: Tensor) -> Tensor:
+    """The bits (int32 ``[rows, 1]``) of the largest value ``t`` whose tokens at or above it hold
+    ``ps`` ``[rows, 1]`` or more of ``probs``. A non-negative float orders as its bits, so ``t``
+    is found exactly by three passes of a mass histogram, each fixing the next bits; in int32
+    arithmetic, as our CPU runs int64 shifts and comparisons into bool masks ~10x slower."""
     bits = probs.view(torch.int32)
     found = torch.zeros_like(bits[:, :1])  # t's bits fixed so far (the high ones)
     # reused by every pass: each fresh megabyte costs page faults
@@ -116,7 +124,7 @@ def top_p_filtered(probs: Tensor, top_p: Sequence[float]) -> Tensor:
         # another order may round just below p)
         chosen = (at_or_above[:, 1:-1] >= ps).sum(-1, keepdim=True).sub_(1).clamp_(min=0)
         found = (found << width) | chosen.int()
-    return probs * torch.sub(bits, found, out=digit).add_(1).clamp_(0, 1)  # 1 where bits >= found's
+    return found
 
 
 def _scaled(logits: Tensor, temperature: Sequence[float]) -> Tensor:
