@@ -2,12 +2,12 @@
 
 Greedy rows take the argmax. Sampled rows follow transformers' warpers in ``generate()``'s
 order — temperature, top-k, top-p (nucleus) — then draw from what is left, vectorised over the
-rows and without a sort of the whole vocabulary: top-k and top-p look at each row's largest
-logits only (``torch.topk``), a top-p row whose nucleus is wider than ``FIRST_WIDTH`` tokens finds
-its cut by a radix select over the whole vocabulary (the warper sorts it), and the draw inverts
-the kept distribution's CDF with one uniform number from the request's own generator. On our CPU,
-for 32,000 logits, a sort takes 1.8-2.5 ms a row and ``torch.multinomial`` 0.9 ms (it draws one
-exponential number per vocabulary entry).
+rows and without a sort of the whole vocabulary (the top-p warper sorts it): top-k looks at each
+row's k largest logits only (``torch.topk``); top-p keeps the tokens at or above one threshold per
+row, found among its ``FIRST_WIDTH`` largest probabilities or, when those don't hold p, by a radix
+select over the whole vocabulary; the draw inverts the kept distribution's CDF with one uniform
+number from the request's own generator. On our CPU, for 32,000 logits, a sort takes 1.8-2.5 ms
+a row and ``torch.multinomial`` 0.9 ms (it draws one exponential number per vocabulary entry).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-FIRST_WIDTH = 1024  # candidates a top-p row without top-k starts from (the whole vocabulary if they miss its nucleus)
+FIRST_WIDTH = 1024  # where top-p looks for its threshold first (a radix select if they miss the nucleus)
 RADIX_DIGITS = ((20, 11), (9, 11), (0, 9))  # (shift, bits) of each pass over a float's 31 non-sign bits
 
 
@@ -84,7 +84,7 @@ def kept_candidates(logits: Tensor, temperature: Sequence[float], top_k: Sequenc
 
 
 def top_p_filtered(probs: Tensor, top_p: Sequence[float]) -> Tensor:
-    """``probs`` ``[rows, vocab]`` with what ``TopPLogitsWarper`` removes set to 0, without a sort
+    """``probs`` ``[rows, vocab]`` (float32) with what ``TopPLogitsWarper`` removes set to 0, without a sort
     of the whole vocabulary: a token is kept when the tokens above it hold less than ``top_p``, i.e.
     when its probability is at least the largest value ``t`` whose tokens at or above it hold
     ``top_p`` or more. ``t`` comes from the row's ``FIRST_WIDTH`` largest probabilities when they
