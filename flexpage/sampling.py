@@ -15,9 +15,10 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-FIRST_WIDTH = 1024  # where top-p looks for its threshold first (a radix select if they miss the nucleus)
+FIRST_WIDTH = 256  # where top-p looks for its threshold first (a radix select if they miss the nucleus)
 RADIX_DIGITS = ((20, 11), (9, 11), (0, 9))  # (shift, bits) of each pass over a float's 31 non-sign bits
 
 
@@ -54,9 +55,8 @@ def sample_tokens(logits: Tensor, temperature: Sequence[float], top_k: Sequence[
             tokens[i] = token
     if whole:  # over the whole vocabulary, in its own order
         probs = _scaled(_rows(logits, whole), [temperature[i] for i in whole]).softmax(-1)
-        nucleus = [j for j, i in enumerate(whole) if top_p[i] is not None]
-        if nucleus:
-            probs[nucleus] = top_p_filtered(_rows(probs, nucleus), [top_p[whole[j]] for j in nucleus])
+        if any(top_p[i] is not None for i in whole):
+            top_p_filtered(probs, [top_p[i] for i in whole])
         for i, token in zip(whole, _draw(probs, uniform[whole]).tolist()):
             tokens[i] = token
     return tokens
@@ -83,27 +83,34 @@ def kept_candidates(logits: Tensor, temperature: Sequence[float], top_k: Sequenc
     return ids, probs.masked_fill(above >= ps[:, None], 0.0)  # top-p: the mass above a kept token is < p
 
 
-def top_p_filtered(probs: Tensor, top_p: Sequence[float]) -> Tensor:
-    """``probs`` ``[rows, vocab]`` (float32) with what ``TopPLogitsWarper`` removes set to 0, without a sort
-    of the whole vocabulary: a token is kept when the tokens above it hold less than ``top_p``, i.e.
-    when its probability is at least the largest value ``t`` whose tokens at or above it hold
-    ``top_p`` or more. ``t`` comes from the row's ``FIRST_WIDTH`` largest probabilities when they
-    hold ``top_p``; otherwise (a flat distribution) from ``_radix_select``. Float rounding may
-    decide a token whose tokens above hold ``top_p`` within it otherwise than the warper does."""
-    ps = torch.tensor(top_p, device=probs.device)[:, None]
+def top_p_filtered(probs: Tensor, top_p: Sequence[float | None]) -> Tensor:
+    """``probs`` ``[rows, vocab]`` (float32), with what ``TopPLogitsWarper`` removes set to 0 in
+    place (rows whose ``top_p`` is None stay as they are), without a sort of the whole vocabulary:
+    a token is kept when the tokens above it hold less than ``top_p``, i.e. when its probability is
+    at least the largest value ``t`` whose tokens at or above it hold ``top_p`` or more. ``t`` comes
+    from the row's ``FIRST_WIDTH`` largest probabilities when they hold ``top_p``; otherwise (a flat
+    distribution) from ``_radix_select``. Float rounding may decide a token whose tokens above hold
+    ``top_p`` within it otherwise than the warper does."""
+    rows = [r for r, p in enumerate(top_p) if p is not None]
+    chosen = _rows(probs, rows)
+    ps = torch.tensor([top_p[r] for r in rows], device=probs.device)[:, None]
     threshold = torch.full_like(ps, -1.0)  # -1: not found yet
     # the candidates cannot hold p when even the largest probability times their count is less
-    peaked = (probs.amax(-1, keepdim=True) * FIRST_WIDTH >= ps)[:, 0].nonzero()[:, 0].tolist()
+    peaked = (chosen.amax(-1, keepdim=True) * FIRST_WIDTH >= ps)[:, 0].nonzero()[:, 0].tolist()
     if peaked:
-        values = _rows(probs, peaked).topk(min(FIRST_WIDTH, probs.shape[1]), dim=-1).values
+        values = _rows(chosen, peaked).topk(min(FIRST_WIDTH, probs.shape[1]), dim=-1).values
         reached = (values.cumsum(-1) < ps[peaked]).sum(-1, keepdim=True)  # candidates before p is reached
         last = values.gather(1, reached.clamp_max(values.shape[1] - 1))
         threshold[peaked] = torch.where(reached < values.shape[1], last, -1.0)
     flat = (threshold < 0)[:, 0].nonzero()[:, 0].tolist()
     if flat:  # t's bits; 0 when the mass rounds below p: everything is kept
-        threshold[flat] = _radix_select(_rows(probs, flat), ps[flat]).view(torch.float32)
-    # 1 where a probability's bits are at least t's (int32 arithmetic: a bool mask is slower here)
-    return probs * (probs.view(torch.int32) - threshold.view(torch.int32) + 1).clamp_(0, 1)
+        threshold[flat] = _radix_select(_rows(chosen, flat), ps[flat]).view(torch.float32)
+    # a row at a time, in place: whole-vocabulary temporaries cost more here (page faults) than the
+    # loop; F.threshold keeps what is above its bound, the float just below t (t = 0 keeps all)
+    below = torch.where(threshold > 0, (threshold.view(torch.int32) - 1).view(torch.float32), -1.0)
+    for r, bound in zip(rows, below[:, 0].tolist()):
+        F.threshold_(probs[r], bound, 0.0)
+    return probs
 
 
 def _radix_select(probs: Tensor, ps: Tensor) -> Tensor:
