@@ -4,10 +4,11 @@ For each context length (prompt tokens), each configuration generates N new toke
 with ``--sample`` sampled: ``top-k`` temperature 0.8 and top-k 50, ``top-p`` temperature 0.7 and
 top-p 0.9; batch 1 by default; with ``--batch B`` the B prompts have mixed lengths, left-padded
 to the context length as a tokenizer pads a batch: row b holds ``length - b * length // (2B)``
-tokens, from the full length down to about half of it) and we record time to first token, per-token decode latency (median inter-token time),
-end-to-end latency, peak extra process memory, KV bytes reserved vs live, and recompiles during
-the timed calls. The first call of each configuration at each length
-is its warm-up (compiles) and is reported separately, never mixed into the latencies.
+tokens, from the full length down to about half of it) and we record time to first token,
+per-token decode latency (median inter-token time), end-to-end latency, peak extra process memory,
+KV bytes reserved vs live, and recompiles during the timed calls. The first call of each
+configuration at each length is its warm-up (compiles) and is reported separately, never mixed
+into the latencies.
 
 Configurations: flexpage (wrap), flexpage_stock_linears (wrap(few_row_linears=False): the model's own
 linear layers), flexpage_compiled (wrap(compile_decode=True)), flexpage_engine (each prompt a
