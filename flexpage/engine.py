@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Collection, Iterator
 from typing import Sequence as Seq
@@ -34,6 +35,7 @@ from .scheduler import Scheduler, Sequence
 CHUNK_BLOCK = 16
 MIN_CHUNK_REGION = 64  # the smallest chunk-region bucket
 MAX_LOGPROBS = 20  # top alternatives a request may ask for (as OpenAI's API)
+HISTORY_STEPS = 10_000  # steps ``Engine.history`` keeps, the latest: a server steps for days
 
 
 @dataclass(frozen=True)
@@ -96,9 +98,10 @@ class EngineStats:
     packed_weight_bytes: int  # memory of the weights' packed copies (``pack_weights``); 0 without them
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StepRecord:
-    """What one step did and how full the pool was after it (``Engine.history``)."""
+    """What one step did and how full the pool was after it (``Engine.history``: the last
+    ``HISTORY_STEPS`` steps)."""
 
     time: float  # perf_counter() at the end of the step
     decode_tokens: int
@@ -531,7 +534,10 @@ class Engine:
         return params
 
     def reset_stats(self) -> None:
-        """Start counting afresh (``stats()``, ``history``, ``first_token_seconds``)."""
+        """Start counting afresh (``stats()``, ``history``, ``first_token_seconds``). The
+        per-request records (``first_token_seconds``, ``cached_prompt_tokens``,
+        ``finish_reasons``) hold every request since; a long-lived caller pops its finished
+        requests' entries (as ``flexpage serve`` does) or calls this now and then."""
         self._steps = self._attention_calls = self._peak_pages = 0
         self._prefill_tokens = self._generated = self._finished = 0
         self._utilisation_sum = self._seconds = self._host_seconds = 0.0
@@ -541,7 +547,7 @@ class Engine:
         self.cached_prompt_tokens: dict[int, int] = {}  # request index -> prompt tokens from the prefix cache
         self.step_logprobs: dict[int, TokenLogprobs] = {}  # the last step's tokens, for requests asking logprobs
         self.finish_reasons: dict[int, str] = {}  # request index -> "stop" (a stop token) or "length"
-        self.history: list[StepRecord] = []
+        self.history: deque[StepRecord] = deque(maxlen=HISTORY_STEPS)
 
     def _record(self, batch, decode_len: int, chunk_len: int, produced: int) -> None:
         stats = self.cache.stats()

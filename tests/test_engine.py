@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flexpage
-from flexpage import linear, zoo
+from flexpage import engine as engine_module, linear, zoo
 from flexpage import InvalidRequestError
 from flexpage.bench.measure import compiled_graphs
 
@@ -179,6 +179,17 @@ def test_a_prompt_longer_than_a_step_is_prefilled_over_several_steps(stock_llama
     prompt = workload((150,))[0]
     assert engine.generate([prompt], max_new_tokens=4) == [stock_greedy(stock_llama, prompt, 4)]
     assert engine.stats().steps == 3 + 3  # chunks of 64, 64 and 22 tokens (the first two sample nothing), then 3 decodes
+
+
+def test_history_keeps_the_latest_steps(monkeypatch):
+    """A server steps for days: ``history`` is a window of the latest steps, not a growing list."""
+    monkeypatch.setattr(engine_module, "HISTORY_STEPS", 4)
+    engine = make_engine(warmup=False, max_tokens_per_step=64)
+    engine.generate(workload((150,)), max_new_tokens=4)  # chunks of 64, 64 and 22 tokens, then 3 decodes
+    assert engine.stats().steps == 6
+    assert [(h.decode_tokens, h.prefill_tokens) for h in engine.history] == [(0, 22), (1, 0), (1, 0), (1, 0)]
+    assert engine.history[-1].pages_used == 0  # the request finished in the last step: its pages are free
+    assert [h.time for h in engine.history] == sorted(h.time for h in engine.history)
 
 
 def test_preemption_under_a_small_pool_changes_no_token(expected):
