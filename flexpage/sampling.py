@@ -3,11 +3,14 @@
 Greedy rows take the argmax. Sampled rows follow transformers' warpers in ``generate()``'s
 order — temperature, top-k, top-p (nucleus) — then draw from what is left, vectorised over the
 rows and without a sort of the whole vocabulary (the top-p warper sorts it): top-k looks at each
-row's k largest logits only (``torch.topk``); top-p keeps the tokens at or above one threshold per
-row, found among its ``FIRST_WIDTH`` largest probabilities or, when those don't hold p, by a radix
-select over the whole vocabulary; the draw inverts the kept distribution's CDF with one uniform
-number from the request's own generator. On our CPU, for 32,000 logits, a sort takes 1.8-2.5 ms
-a row and ``torch.multinomial`` 0.9 ms (it draws one exponential number per vocabulary entry).
+row's k largest logits only (``torch.topk``); a top-p row draws from its whole distribution and
+keeps the draw when it lies in the nucleus (the probability above the drawn token is less than p:
+one pass over the row), else draws again (rejection sampling: the draws kept follow the nucleus's
+distribution exactly, and one lands in it with probability at least p); after
+``NUCLEUS_TRIES`` misses the row draws from its nucleus found exactly (``top_p_filtered``). A draw
+inverts the CDF at a uniform number from the request's own generator. On our CPU, for 32,000
+logits, a sort takes 1.8-2.5 ms a row and ``torch.multinomial`` 0.9 ms (it draws one exponential
+number per vocabulary entry).
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-FIRST_WIDTH = 256  # where top-p looks for its threshold first (a radix select if they miss the nucleus)
+NUCLEUS_TRIES = 4  # draws a top-p row may reject before its nucleus is computed (at p = 0.9: 1e-4 of rows)
+FIRST_WIDTH = 256  # where top_p_filtered looks for its threshold first (a radix select if they miss the nucleus)
 RADIX_DIGITS = ((20, 11), (9, 11), (0, 9))  # (shift, bits) of each pass over a float's 31 non-sign bits
 
 
@@ -43,7 +47,10 @@ def sample_tokens(logits: Tensor, temperature: Sequence[float], top_k: Sequence[
     rows, vocab = logits.shape
     top_k = [k if k is not None and k < vocab else None for k in top_k]  # keeping every token is no top-k
     top_p = [p if p is not None and p < 1 else None for p in top_p]  # the warper skips a top-p of 1
-    uniform = torch.cat([torch.rand(1, generator=g, device=logits.device) for g in generators])
+    # a top-p row over the whole vocabulary may draw again: its uniforms are drawn up front too
+    draws = [torch.rand(1 + NUCLEUS_TRIES * (top_k[i] is None and top_p[i] is not None), generator=g,
+                        device=logits.device) for i, g in enumerate(generators)]
+    uniform = torch.cat([d[:1] for d in draws])
     tokens = [0] * rows
     cut = [i for i in range(rows) if top_k[i] is not None]
     whole = [i for i in range(rows) if top_k[i] is None]
@@ -55,11 +62,32 @@ def sample_tokens(logits: Tensor, temperature: Sequence[float], top_k: Sequence[
             tokens[i] = token
     if whole:  # over the whole vocabulary, in its own order
         probs = _scaled(_rows(logits, whole), [temperature[i] for i in whole]).softmax(-1)
-        if any(top_p[i] is not None for i in whole):
-            top_p_filtered(probs, [top_p[i] for i in whole])
-        for i, token in zip(whole, _draw(probs, uniform[whole]).tolist()):
+        cdf = probs.cumsum(-1)
+        picked = _inverse_cdf(cdf, uniform[whole]).tolist()
+        nucleus = [(j, top_p[i], draws[i]) for j, i in enumerate(whole) if top_p[i] is not None]
+        if nucleus:
+            _into_nucleus(probs, cdf, picked, nucleus)
+        for i, token in zip(whole, picked):
             tokens[i] = token
     return tokens
+
+
+def _into_nucleus(probs: Tensor, cdf: Tensor, picked: list[int], rows: list[tuple[int, float, Tensor]]) -> None:
+    """Rejection sampling into each top-p row's nucleus, in place in ``picked``: for ``(row, p,
+    uniforms)`` the row's drawn token stays when the probability above it (of tokens more likely
+    than it) is less than p, the rule of transformers' warper; otherwise the row draws again with its
+    next uniform, ``NUCLEUS_TRIES`` draws at most, then from its nucleus found exactly with its last."""
+    scratch = probs.new_empty(probs.shape[1])  # one row's scratch, reused: no fresh megabytes
+    values = probs.gather(1, torch.tensor(picked, device=probs.device)[:, None])[:, 0].tolist()
+    for row, p, uniform in rows:
+        for k in range(NUCLEUS_TRIES):
+            if k:
+                picked[row] = int(_inverse_cdf(cdf[row : row + 1], uniform[k : k + 1])[0])
+                values[row] = float(probs[row, picked[row]])
+            if float(torch.threshold(probs[row], values[row], 0.0, out=scratch).sum()) < p:
+                break
+        else:
+            picked[row] = int(_draw(top_p_filtered(probs[row : row + 1], [p]), uniform[-1:])[0])
 
 
 def kept_candidates(logits: Tensor, temperature: Sequence[float], top_k: Sequence[int],
@@ -150,7 +178,11 @@ def _rows(scores: Tensor, rows: list[int]) -> Tensor:
 def _draw(weights: Tensor, uniform: Tensor) -> Tensor:
     """Index of one entry per row, drawn with probability proportional to ``weights`` (>= 0), by
     inverting the row's CDF at the row's ``uniform`` number in [0, 1)."""
-    cdf = weights.cumsum(-1)
+    return _inverse_cdf(weights.cumsum(-1), uniform)
+
+
+def _inverse_cdf(cdf: Tensor, uniform: Tensor) -> Tensor:
+    """Each row's first index whose cumulative weight ``cdf`` exceeds ``uniform`` times the total."""
     picked = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)
     # never past the entry that completes the sum (the uniform times the total may round up to it)
     return torch.minimum(picked, torch.searchsorted(cdf, cdf[:, -1:].contiguous()))[:, 0]

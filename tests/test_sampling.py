@@ -97,8 +97,12 @@ def test_no_top_p_removes_nothing_even_behind_a_near_certain_token(top_p):
     assert torch.equal(got > 0, expected > 0) and int((got > 0).sum()) == 3
 
 
-@pytest.mark.parametrize("first_width", [256, 3])  # 3: the top-p rows' nuclei pass their candidates
-def test_draws_follow_the_warped_distribution_and_never_removed_tokens(first_width, monkeypatch):
+# top-p rows over the whole vocabulary: by rejection (4 tries: the exact nucleus is rarely needed;
+# 1: often, a mixture), or always from the exact nucleus (0 tries), its threshold from the candidates
+# (256) or a radix select (3 candidates: the nuclei pass them)
+@pytest.mark.parametrize("tries, first_width", [(4, 256), (1, 256), (0, 256), (0, 3)])
+def test_draws_follow_the_warped_distribution_and_never_removed_tokens(tries, first_width, monkeypatch):
+    monkeypatch.setattr(sampling, "NUCLEUS_TRIES", tries)
     monkeypatch.setattr(sampling, "FIRST_WIDTH", first_width)
     torch.manual_seed(0)
     logits = torch.randn(len(SETTINGS) + 1, 12) * 2  # the last row: plain sampling over the whole vocabulary
