@@ -343,12 +343,10 @@ class Engine:
         for seq in batch.decode + [seq for seq, _ in batch.chunks]:
             self.scheduler.register_pages(seq)
         produced = []
-        self.step_logprobs = {}
         picks = list(self._with_forks(sampled))  # each sequence with its row of the logits
-        for (seq, row), token in zip(picks, self._next_tokens(logits, picks)):
-            params = self._sampling[seq.index][0]
-            if params.logprobs is not None:
-                self.step_logprobs[seq.index] = _logprobs(logits[row], token, params.logprobs)
+        tokens = self._next_tokens(logits, picks)
+        self.step_logprobs = self._logprobs(logits, picks, tokens)
+        for (seq, _), token in zip(picks, tokens):
             seq.append(token)
             if seq.index not in self.first_token_seconds:
                 self.first_token_seconds[seq.index] = time.perf_counter() - seq.arrival
@@ -484,6 +482,23 @@ class Engine:
                 tokens[i] = token
         return tokens
 
+    def _logprobs(self, logits: torch.Tensor, picks: list[tuple[Sequence, int]],
+                  tokens: list[int]) -> dict[int, TokenLogprobs]:
+        """The log-probabilities the step's requests asked for (``SamplingParams.logprobs``), by
+        sequence index: one log-softmax and one top-k over all of their rows."""
+        asked = [(seq.index, row, token, top) for (seq, row), token in zip(picks, tokens)
+                 if (top := self._sampling[seq.index][0].logprobs) is not None]
+        if not asked:
+            return {}
+        device = logits.device
+        logprobs = logits[host_tensor([row for _, row, _, _ in asked], device)].float().log_softmax(-1)
+        chosen = logprobs.gather(1, host_tensor([token for _, _, token, _ in asked], device)[:, None])[:, 0].tolist()
+        width = max(top for *_, top in asked)
+        values, ids = logprobs.topk(width) if width else (logprobs[:, :0], logprobs[:, :0].long())
+        values, ids = values.tolist(), ids.tolist()
+        return {index: TokenLogprobs(chosen[i], list(zip(ids[i][:top], values[i][:top])))
+                for i, (index, _, _, top) in enumerate(asked)}
+
     def _checked(self, prompt: Seq[int] | str, params: SamplingParams) -> list[int]:
         """The prompt's token ids, or ``InvalidRequestError`` saying why it cannot be served."""
         params.check()
@@ -561,12 +576,6 @@ class Engine:
         self._generated += produced
         self.history.append(StepRecord(time.perf_counter(), len(batch.decode), sum(n for _, n in batch.chunks),
                                        stats.pages_used, stats.utilisation))
-
-
-def _logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
-    logprobs = logits.float().log_softmax(-1)
-    values, ids = logprobs.topk(top) if top else (logprobs[:0], logprobs[:0].long())
-    return TokenLogprobs(float(logprobs[token]), list(zip(ids.tolist(), values.tolist())))
 
 
 def _bucket(n: int, smallest: int) -> int:

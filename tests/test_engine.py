@@ -245,6 +245,33 @@ def test_sampling_is_seeded_and_stops_at_eos(expected):
     assert engine.generate(workload()[:1], max_new_tokens=12, eos_token_id=eos)[0] == expected[0][:stop]
 
 
+def test_logprobs_of_a_step_are_each_requests_own(stock_llama):
+    """Requests asking for different numbers of alternatives (and one asking none) in the same
+    steps each get theirs, against the stock model's log-softmax."""
+    engine = make_engine()
+    prompts, tops = workload((30, 9, 51)), [3, 0, None]
+    for prompt, top in zip(prompts, tops):
+        engine.add_request(prompt, flexpage.SamplingParams(max_new_tokens=5, logprobs=top))
+    got = {i: [] for i in range(3)}
+    while engine.scheduler.has_work:
+        engine.step()
+        assert 2 not in engine.step_logprobs  # asked for none
+        for index, entry in engine.step_logprobs.items():
+            got[index].append(entry)
+    for index in (0, 1):
+        ref = stock_llama.generate(torch.tensor([prompts[index]]), max_new_tokens=5, do_sample=False, pad_token_id=0,
+                                   eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+        tokens = ref.sequences[0, len(prompts[index]):].tolist()
+        assert len(got[index]) == 5
+        for entry, logits, token in zip(got[index], ref.logits, tokens):
+            expected = torch.log_softmax(logits[0].float(), -1)
+            assert entry.logprob == pytest.approx(expected[token].item(), abs=1e-4)
+            assert len(entry.top) == tops[index]
+            values, ids = expected.topk(3)
+            assert [t for t, _ in entry.top] == ids[: tops[index]].tolist()
+            assert [v for _, v in entry.top] == pytest.approx(values[: tops[index]].tolist(), abs=1e-4)
+
+
 def test_string_prompts_go_through_the_tokenizer(expected):
     prompts = workload()
 
