@@ -1,5 +1,6 @@
 """The same code path on a CUDA GPU (skipped where there is none): paged attention against a
-float64 reference, wrap's greedy identity, the Engine's mixed workload, no recompiles after warm-up.
+float64 reference, wrap's greedy identity, the Engine's mixed workload, no recompiles after warm-up,
+sampling against transformers' warpers.
 ``scripts/gpu_check.sh`` runs these with the benchmarks on a GPU machine."""
 
 from __future__ import annotations
@@ -7,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 from test_attention import run_case
+from test_sampling import assert_draws_follow_the_warpers
 
 import flexpage
-from flexpage import zoo
+from flexpage import sampling, zoo
 from flexpage.bench.measure import compiled_graphs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -74,3 +76,10 @@ def test_engine_mixed_workload_on_cuda():
     engine.generate([torch.randint(3, 256, (n,), generator=g).tolist() for n in (7, 77, 111, 2)],
                     max_new_tokens=[9, 21, 5, 14])
     assert compiled_graphs() == graphs
+
+
+@pytest.mark.parametrize("tries", [4, 0])  # top-p by rejection; from the exact nucleus (a radix select)
+def test_sampling_follows_the_warpers_on_cuda(tries, monkeypatch):
+    monkeypatch.setattr(sampling, "NUCLEUS_TRIES", tries)
+    monkeypatch.setattr(sampling, "FIRST_WIDTH", 3 if tries == 0 else sampling.FIRST_WIDTH)
+    assert_draws_follow_the_warpers("cuda")

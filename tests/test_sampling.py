@@ -104,13 +104,20 @@ def test_no_top_p_removes_nothing_even_behind_a_near_certain_token(top_p):
 def test_draws_follow_the_warped_distribution_and_never_removed_tokens(tries, first_width, monkeypatch):
     monkeypatch.setattr(sampling, "NUCLEUS_TRIES", tries)
     monkeypatch.setattr(sampling, "FIRST_WIDTH", first_width)
+    assert_draws_follow_the_warpers("cpu")
+
+
+def assert_draws_follow_the_warpers(device: str) -> None:
+    """3000 seeded draws of ``SETTINGS`` rows (and a plain one) on ``device``: a removed token is
+    never drawn, the others as often as the warpers' probabilities say."""
     torch.manual_seed(0)
     logits = torch.randn(len(SETTINGS) + 1, 12) * 2  # the last row: plain sampling over the whole vocabulary
     settings = SETTINGS + [(1.0, None, None)]
     temperature, top_k, top_p = zip(*settings)
     expected = warped_probs(logits, temperature, top_k, top_p)
     draws = 3000
-    generator = torch.Generator().manual_seed(1)
+    generator = torch.Generator(device=device).manual_seed(1)
+    logits = logits.to(device)
     tokens = torch.tensor([sample_tokens(logits, temperature, top_k, top_p, [generator] * len(settings))
                            for _ in range(draws)])  # [draws, rows]
     counts = torch.stack([torch.bincount(tokens[:, r], minlength=12) for r in range(len(settings))])
