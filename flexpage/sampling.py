@@ -77,17 +77,33 @@ def _into_nucleus(probs: Tensor, cdf: Tensor, picked: list[int], rows: list[tupl
     uniforms)`` the row's drawn token stays when the probability above it (of tokens more likely
     than it) is less than p, the rule of transformers' warper; otherwise the row draws again with its
     next uniform, ``NUCLEUS_TRIES`` draws at most, then from its nucleus found exactly with its last."""
-    scratch = probs.new_empty(probs.shape[1])  # one row's scratch, reused: no fresh megabytes
-    values = probs.gather(1, torch.tensor(picked, device=probs.device)[:, None])[:, 0].tolist()
+    device = probs.device
+    values = probs.gather(1, torch.tensor(picked, device=device)[:, None])[:, 0].tolist()
+    for k in range(NUCLEUS_TRIES):
+        if k:  # the rows whose last draw missed draw again
+            index = [row for row, _, _ in rows]
+            again = _inverse_cdf(_rows(cdf, index), torch.cat([uniform[k : k + 1] for _, _, uniform in rows]))
+            chances = _rows(probs, index).gather(1, again[:, None])[:, 0]
+            for row, token, value in zip(index, again.tolist(), chances.tolist()):
+                picked[row], values[row] = token, value
+        above = mass_above(probs, [row for row, _, _ in rows], [values[row] for row, _, _ in rows])
+        rows = [entry for entry, mass in zip(rows, above) if mass >= entry[1]]
+        if not rows:
+            return
     for row, p, uniform in rows:
-        for k in range(NUCLEUS_TRIES):
-            if k:
-                picked[row] = int(_inverse_cdf(cdf[row : row + 1], uniform[k : k + 1])[0])
-                values[row] = float(probs[row, picked[row]])
-            if float(torch.threshold(probs[row], values[row], 0.0, out=scratch).sum()) < p:
-                break
-        else:
-            picked[row] = int(_draw(top_p_filtered(probs[row : row + 1], [p]), uniform[-1:])[0])
+        picked[row] = int(_draw(top_p_filtered(probs[row : row + 1], [p]), uniform[-1:])[0])
+
+
+def mass_above(probs: Tensor, rows: list[int], values: list[float], row_by_row: bool | None = None) -> list[float]:
+    """For each of ``rows`` of ``probs``, the probability of its tokens more likely than its value
+    in ``values``. One pass over the rows at once, or (on the CPU, where comparisons into bool masks
+    and fresh megabytes cost more than a loop) a row at a time into one reused row."""
+    if row_by_row if row_by_row is not None else probs.device.type == "cpu":
+        scratch = probs.new_empty(probs.shape[1])
+        return [float(torch.threshold(probs[row], value, 0.0, out=scratch).sum()) for row, value in zip(rows, values)]
+    chosen = _rows(probs, rows)
+    bound = torch.tensor(values, dtype=probs.dtype, device=probs.device)[:, None]
+    return torch.where(chosen > bound, chosen, 0.0).sum(-1).tolist()
 
 
 def kept_candidates(logits: Tensor, temperature: Sequence[float], top_k: Sequence[int],

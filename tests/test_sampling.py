@@ -88,6 +88,19 @@ def test_top_p_filtered_keeps_the_warpers_nucleus_over_the_whole_vocabulary(voca
     assert torch.equal(got[3], probs[3])
 
 
+@pytest.mark.parametrize("row_by_row", [True, False])  # the CPU's loop; the one pass other devices take
+def test_mass_above_sums_the_more_likely_tokens(row_by_row):
+    torch.manual_seed(1)
+    probs = (torch.randn(4, 5000) * 2).softmax(-1)
+    probs[2, :10] = probs[2, 10]  # ties with the value: not above it
+    rows = [0, 2, 3]
+    values = [float(probs[0].max()), float(probs[2, 10]), float(probs[3].median())]
+    got = sampling.mass_above(probs, rows, values, row_by_row=row_by_row)
+    expected = [float(probs[r].double()[probs[r] > v].sum()) for r, v in zip(rows, values)]
+    assert got[0] == 0.0  # nothing above the most likely token
+    assert got == pytest.approx(expected, abs=1e-6)
+
+
 @pytest.mark.parametrize("top_p", [None, 1.0])
 def test_no_top_p_removes_nothing_even_behind_a_near_certain_token(top_p):
     logits = torch.tensor([[20.0, 0.0, -1.0, -2.0, -30.0, -40.0]])  # the first token's probability rounds to 1
