@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Collection, Iterator
 from typing import Sequence as Seq
@@ -36,6 +36,7 @@ CHUNK_BLOCK = 16
 MIN_CHUNK_REGION = 64  # the smallest chunk-region bucket
 MAX_LOGPROBS = 20  # top alternatives a request may ask for (as OpenAI's API)
 HISTORY_STEPS = 10_000  # steps ``Engine.history`` keeps, the latest: a server steps for days
+REQUEST_RECORDS = 100_000  # outputs the per-request records keep, the latest (``Engine.reset_stats``)
 
 
 @dataclass(frozen=True)
@@ -348,7 +349,7 @@ class Engine:
         self.step_logprobs = self._logprobs(logits, picks, tokens)
         for (seq, _), token in zip(picks, tokens):
             seq.append(token)
-            if seq.index not in self.first_token_seconds:
+            if len(seq.tokens) == seq.prompt_len + 1:  # its first token
                 self.first_token_seconds[seq.index] = time.perf_counter() - seq.arrival
                 self.cached_prompt_tokens[seq.index] = seq.cached_tokens
             produced.append((seq.index, token))
@@ -549,19 +550,21 @@ class Engine:
         return params
 
     def reset_stats(self) -> None:
-        """Start counting afresh (``stats()``, ``history``, ``first_token_seconds``). The
+        """Start counting afresh (``stats()``, ``history``, the per-request records). The
         per-request records (``first_token_seconds``, ``cached_prompt_tokens``,
-        ``finish_reasons``) hold every request since; a long-lived caller pops its finished
-        requests' entries (as ``flexpage serve`` does) or calls this now and then."""
+        ``finish_reasons``) keep the latest ``REQUEST_RECORDS`` outputs, so a long-lived engine's
+        memory stays bounded; ``flexpage serve`` pops each request's entries once it is done."""
         self._steps = self._attention_calls = self._peak_pages = 0
         self._prefill_tokens = self._generated = self._finished = 0
         self._utilisation_sum = self._seconds = self._host_seconds = 0.0
         self._shapes: set[tuple[str, int]] = set()
         self._hits_at_reset = self.scheduler.prefix_hit_tokens
-        self.first_token_seconds: dict[int, float] = {}  # request index -> seconds from submission
-        self.cached_prompt_tokens: dict[int, int] = {}  # request index -> prompt tokens from the prefix cache
+        # request index -> seconds from submission; prompt tokens from the prefix cache; "stop" (a stop
+        # token) or "length"
+        self.first_token_seconds: dict[int, float] = _Latest(REQUEST_RECORDS)
+        self.cached_prompt_tokens: dict[int, int] = _Latest(REQUEST_RECORDS)
+        self.finish_reasons: dict[int, str] = _Latest(REQUEST_RECORDS)
         self.step_logprobs: dict[int, TokenLogprobs] = {}  # the last step's tokens, for requests asking logprobs
-        self.finish_reasons: dict[int, str] = {}  # request index -> "stop" (a stop token) or "length"
         self.history: deque[StepRecord] = deque(maxlen=HISTORY_STEPS)
 
     def _record(self, batch, decode_len: int, chunk_len: int, produced: int) -> None:
@@ -576,6 +579,19 @@ class Engine:
         self._generated += produced
         self.history.append(StepRecord(time.perf_counter(), len(batch.decode), sum(n for _, n in batch.chunks),
                                        stats.pages_used, stats.utilisation))
+
+
+class _Latest(OrderedDict):
+    """A dict of the ``limit`` entries set last (the oldest leave first)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        if len(self) > self.limit:
+            self.popitem(last=False)
 
 
 def _bucket(n: int, smallest: int) -> int:

@@ -192,6 +192,20 @@ def test_history_keeps_the_latest_steps(monkeypatch):
     assert [h.time for h in engine.history] == sorted(h.time for h in engine.history)
 
 
+def test_per_request_records_keep_the_latest_outputs(expected, monkeypatch):
+    """A long-lived engine serves requests without end: its per-request records stay bounded."""
+    monkeypatch.setattr(engine_module, "REQUEST_RECORDS", 3)
+    engine = make_engine()
+    outputs, first, done = {i: [] for i in range(len(LENGTHS))}, [], []
+    for index, token in engine.stream(workload(), max_new_tokens=list(NEW_TOKENS)):
+        first += [index] if not outputs[index] else []
+        outputs[index].append(token)
+        done += [index] if len(outputs[index]) == len(expected[index]) else []
+    assert list(outputs.values()) == expected
+    assert list(engine.first_token_seconds) == list(engine.cached_prompt_tokens) == first[-3:]
+    assert list(engine.finish_reasons) == done[-3:]
+
+
 def test_preemption_under_a_small_pool_changes_no_token(expected):
     # 24 pages of 16 tokens: the 200-token prompt plus its neighbours cannot all stay resident
     engine = make_engine(max_cached_tokens=384)
