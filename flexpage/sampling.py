@@ -98,7 +98,9 @@ def mass_above(probs: Tensor, rows: list[int], values: list[float], row_by_row: 
     """For each of ``rows`` of ``probs``, the probability of its tokens more likely than its value
     in ``values``. One pass over the rows at once, or (on the CPU, where comparisons into bool masks
     and fresh megabytes cost more than a loop) a row at a time into one reused row."""
-    if row_by_row if row_by_row is not None else probs.device.type == "cpu":
+    if row_by_row is None:
+        row_by_row = probs.device.type == "cpu"
+    if row_by_row:
         scratch = probs.new_empty(probs.shape[1])
         return [float(torch.threshold(probs[row], value, 0.0, out=scratch).sum()) for row, value in zip(rows, values)]
     chosen = _rows(probs, rows)
