@@ -1,4 +1,5 @@
-"""``flexpage bench serve --quick``: both servers start, take every load point, and nothing fails (not timed)."""
+"""``flexpage bench serve --quick``: both servers start, take every load point, and nothing fails (not timed),
+with sampled completions (the greedy ones are tested against stock in test_serve.py)."""
 
 import json
 import math
@@ -11,9 +12,10 @@ BIN = Path(sys.executable).parent
 
 
 def test_quick_serve_benchmark_against_transformers_serve(tmp_path):
-    subprocess.run([str(BIN / "flexpage"), "bench", "serve", "--quick", "--out", str(tmp_path)], check=True,
-                   timeout=1200)
+    subprocess.run([str(BIN / "flexpage"), "bench", "serve", "--quick", "--temperature", "0.7", "--top-p", "0.9",
+                    "--out", str(tmp_path)], check=True, timeout=1200)
     data = json.loads((tmp_path / "serve.json").read_text())
+    assert data["meta"]["sampling"] == {"temperature": 0.7, "top_p": 0.9}
     rows = data["records"]
     points = {(r["server"], r["mode"], r["value"]) for r in rows}
     assert points == {(s, m, v) for s in ("flexpage", "transformers") for m, v in

@@ -9,6 +9,7 @@ request throughput, output tokens/s, TTFT / TPOT / ITL p50 and p99, failures.
     flexpage bench serve              # llama-small, rates 0.25..4 req/s, concurrency 1/4/16
     flexpage bench serve --quick      # llama-tiny, a few requests per point, for CI
     flexpage bench serve --servers flexpage flexpage_unpacked transformers   # also with --no-pack-weights
+    flexpage bench serve --temperature 0.7 --top-p 0.9   # sampled completions (greedy by default)
 """
 
 from __future__ import annotations
@@ -74,12 +75,13 @@ async def wait_ready(client: openai.AsyncOpenAI, process: subprocess.Popen, seco
     raise TimeoutError(f"server not ready after {seconds} s")
 
 
-async def one_request(client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int, timeout: float) -> Result:
+async def one_request(client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int, timeout: float,
+                      sampling: dict) -> Result:
+    """One streamed completion; ``sampling`` holds its ``temperature`` (and ``top_p``)."""
     start, last, result = time.perf_counter(), None, Result(ok=False)
     try:
-        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True},
-                                                 timeout=timeout)
+        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True,
+                                                 stream_options={"include_usage": True}, timeout=timeout, **sampling)
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.usage is not None:
@@ -97,22 +99,24 @@ async def one_request(client: openai.AsyncOpenAI, model: str, prompt: str, max_t
     return result
 
 
-async def poisson(client, model, prompts, rate: float, max_tokens: int, seconds: float, seed: int) -> list[Result]:
+async def poisson(client, model, prompts, rate: float, max_tokens: int, seconds: float, seed: int,
+                  sampling: dict) -> list[Result]:
     """Requests arriving at ``rate``/s (exponential gaps), all awaited; bounded by ``seconds``."""
     rng, tasks = random.Random(seed), []
     for prompt in prompts:
-        tasks.append(asyncio.create_task(one_request(client, model, prompt, max_tokens, seconds)))
+        tasks.append(asyncio.create_task(one_request(client, model, prompt, max_tokens, seconds, sampling)))
         await asyncio.sleep(rng.expovariate(rate))
     return list(await asyncio.gather(*tasks))
 
 
-async def closed_loop(client, model, prompts, concurrency: int, max_tokens: int, seconds: float) -> list[Result]:
+async def closed_loop(client, model, prompts, concurrency: int, max_tokens: int, seconds: float,
+                      sampling: dict) -> list[Result]:
     """``concurrency`` clients, each sending its next request when the last one ends."""
     queue, results = list(prompts), []
 
     async def worker() -> None:
         while queue:
-            results.append(await one_request(client, model, queue.pop(), max_tokens, seconds))
+            results.append(await one_request(client, model, queue.pop(), max_tokens, seconds, sampling))
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return results
@@ -150,14 +154,15 @@ async def load_server(kind: str, model_dir: str, args: argparse.Namespace, promp
     rows = []
     try:
         model = await wait_ready(client, process, args.start_timeout)
-        await one_request(client, model, prompts[0], 4, args.point_timeout)  # loads / compiles what it must
+        sampling = sampling_options(args)
+        await one_request(client, model, prompts[0], 4, args.point_timeout, sampling)  # loads / compiles what it must
         points = [("rate", r) for r in args.rates] + [("concurrency", c) for c in args.concurrency]
         for mode, value in points:
             start = time.perf_counter()
             if mode == "rate":
-                work = poisson(client, model, prompts, value, args.output_len, args.point_timeout, args.seed)
+                work = poisson(client, model, prompts, value, args.output_len, args.point_timeout, args.seed, sampling)
             else:
-                work = closed_loop(client, model, prompts, int(value), args.output_len, args.point_timeout)
+                work = closed_loop(client, model, prompts, int(value), args.output_len, args.point_timeout, sampling)
             results = await work
             rows.append(summarise(kind, mode, value, results, time.perf_counter() - start))
             bar.set_postfix_str(f"{kind} {mode}={value}: {rows[-1]['output_tokens_per_s']} tok/s")
@@ -166,6 +171,11 @@ async def load_server(kind: str, model_dir: str, args: argparse.Namespace, promp
         stop_process(process, 30)
         log.close()
     return rows
+
+
+def sampling_options(args: argparse.Namespace) -> dict:
+    """The completions' sampling fields: greedy (temperature 0) unless ``--temperature`` says otherwise."""
+    return {"temperature": args.temperature} | ({} if args.top_p is None else {"top_p": args.top_p})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -181,6 +191,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-cached-tokens", type=int, default=32768, help="flexpage's Engine")
     parser.add_argument("--point-timeout", type=float, default=600, help="seconds a request may take")
     parser.add_argument("--start-timeout", type=float, default=900, help="seconds a server may take to start")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
     add_run_arguments(parser, "llama-tiny, 6 requests per point, 2 rates, 1 concurrency", "serve")
     args = parser.parse_args(argv)
@@ -203,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
                     rows.append({"server": kind, "mode": "start", "value": 0, "failures": 1, "first_error": str(error)})
     meta = {"machine": machine_info(), "model": args.model, "command": " ".join(sys.argv),
             "input_len": args.input_len, "output_len": args.output_len, "requests_per_point": args.requests,
+            "sampling": sampling_options(args),
             "flexpage": {"max_batch_size": args.max_batch_size, "max_cached_tokens": args.max_cached_tokens},
             "transformers": "transformers serve --continuous-batching (defaults)"}
     stem = os.path.join(out_dir(args), args.name)
@@ -240,5 +253,7 @@ def plot(rows: list[dict], meta: dict, stem: str) -> None:
         ax.minorticks_off()
         rates = sorted({r["value"] for r in rows if r["mode"] == "rate"})
         finish_axes(ax, rates, "{:g}".format)
-    fig.suptitle(f"serving, {meta['input_len']} in / {meta['output_len']} out tokens — {caption(meta)}", fontsize=9)
+    sampled = ", ".join(f"{k} {v}" for k, v in meta["sampling"].items() if v)  # temperature 0: greedy
+    fig.suptitle(f"serving, {meta['input_len']} in / {meta['output_len']} out tokens, {sampled or 'greedy'} — "
+                 f"{caption(meta)}", fontsize=9)
     save_figure(fig, f"{stem}.png")
