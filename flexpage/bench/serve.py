@@ -253,7 +253,7 @@ def plot(rows: list[dict], meta: dict, stem: str) -> None:
         ax.minorticks_off()
         rates = sorted({r["value"] for r in rows if r["mode"] == "rate"})
         finish_axes(ax, rates, "{:g}".format)
-    sampled = ", ".join(f"{k} {v}" for k, v in meta["sampling"].items() if v)  # temperature 0: greedy
+    sampled = ", ".join(f"{k} {v}" for k, v in meta.get("sampling", {}).items() if v)  # temperature 0: greedy
     fig.suptitle(f"serving, {meta['input_len']} in / {meta['output_len']} out tokens, {sampled or 'greedy'} — "
                  f"{caption(meta)}", fontsize=9)
     save_figure(fig, f"{stem}.png")
