@@ -81,11 +81,12 @@ def test_greedy_completion_matches_stock(served, stock):
 
 def test_sixteen_concurrent_requests_equal_one_at_a_time_and_stock(served, stock):
     texts = [f"request {i}: " + "paged attention " * (i % 5) + "héllo, 世界"[: i % 9] for i in range(16)]
-    client = openai.AsyncOpenAI(base_url=f"{served.base}/v1", api_key="none", max_retries=0, timeout=120)
 
-    async def all_at_once():
-        calls = [client.completions.create(model=MODEL, prompt=t, max_tokens=10, temperature=0) for t in texts]
-        return await asyncio.gather(*calls)
+    async def all_at_once():  # the client closes on the loop it ran on
+        async with openai.AsyncOpenAI(base_url=f"{served.base}/v1", api_key="none", max_retries=0,
+                                      timeout=120) as client:
+            calls = [client.completions.create(model=MODEL, prompt=t, max_tokens=10, temperature=0) for t in texts]
+            return await asyncio.gather(*calls)
 
     together = [out.choices[0].text for out in asyncio.run(all_at_once())]
     alone = [served.client.completions.create(model=MODEL, prompt=t, max_tokens=10, temperature=0).choices[0].text

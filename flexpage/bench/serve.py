@@ -168,6 +168,7 @@ async def load_server(kind: str, model_dir: str, args: argparse.Namespace, promp
             bar.set_postfix_str(f"{kind} {mode}={value}: {rows[-1]['output_tokens_per_s']} tok/s")
             bar.update()
     finally:
+        await client.close()  # its connections close on this loop, not when it is collected after
         stop_process(process, 30)
         log.close()
     return rows
@@ -247,6 +248,7 @@ def plot(rows: list[dict], meta: dict, stem: str) -> None:
         points = sorted((r for r in rows if r["server"] == server and r["mode"] == "rate"), key=lambda r: r["value"])
         for ax, key in zip(axes, ("output_tokens_per_s", "ttft_p99_s")):
             ax.plot([r["value"] for r in points], [r[key] for r in points], "o-", label=f"{server} serve")
+    axes[1].set_yscale("log")  # an overloaded server's TTFT is seconds to minutes, a keeping-up one's milliseconds
     for ax, label in zip(axes, ("output tokens / s", "TTFT p99 (s)")):
         ax.set(xlabel="offered load (requests / s, Poisson)", ylabel=label)
         ax.set_xscale("log", base=2)
@@ -254,6 +256,7 @@ def plot(rows: list[dict], meta: dict, stem: str) -> None:
         rates = sorted({r["value"] for r in rows if r["mode"] == "rate"})
         finish_axes(ax, rates, "{:g}".format)
     sampled = ", ".join(f"{k} {v}" for k, v in meta.get("sampling", {}).items() if v)  # temperature 0: greedy
-    fig.suptitle(f"serving, {meta['input_len']} in / {meta['output_len']} out tokens, {sampled or 'greedy'} — "
+    fig.suptitle(f"serving, {meta['input_len']} in / {meta['output_len']} out tokens, {sampled or 'greedy'}, "
+                 f"{meta['requests_per_point']} requests per point — "
                  f"{caption(meta)}", fontsize=9)
     save_figure(fig, f"{stem}.png")
