@@ -14,7 +14,7 @@ import dataclasses
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Any, Collection, Iterator
+from typing import Any, Collection, Iterator, Mapping
 from typing import Sequence as Seq
 
 import torch
@@ -27,6 +27,7 @@ from .hf import wrap
 from .masks import PackedBlockMask
 from .pages import cdiv, host_tensor
 from .parallel import RankSync
+from .penalties import MAX_BIAS, MAX_PENALTY, adjust_logits
 from .sampling import greedy_tokens, sample_tokens
 from .scheduler import Scheduler, Sequence
 
@@ -41,7 +42,8 @@ REQUEST_RECORDS = 100_000  # outputs the per-request records keep, the latest (`
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Generation options, named as in transformers' ``GenerationConfig``."""
+    """Generation options, named as in transformers' ``GenerationConfig`` (and as OpenAI's API names
+    the penalties and bias it adds; see ``flexpage.penalties``)."""
 
     max_new_tokens: int = 16
     do_sample: bool = False
@@ -52,6 +54,10 @@ class SamplingParams:
     eos_token_id: int | Seq[int] | None = None  # None: the model's generation_config.eos_token_id
     num_return_sequences: int = 1  # samples of the prompt; they share its pages (copy-on-write)
     logprobs: int | None = None  # report each token's log-probability and this many top alternatives (0-20)
+    repetition_penalty: float = 1.0  # > 0; 1: none
+    presence_penalty: float = 0.0  # in [-2, 2]
+    frequency_penalty: float = 0.0  # in [-2, 2]
+    logit_bias: Mapping[int, float] | None = None  # token id -> bias in [-100, 100]
 
     def check(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -66,6 +72,20 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidRequestError(f"logprobs must be an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if not self.repetition_penalty > 0:
+            raise InvalidRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise InvalidRequestError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {getattr(self, name)}")
+        bad = [b for b in (self.logit_bias or {}).values() if not -MAX_BIAS <= b <= MAX_BIAS]
+        if bad:
+            raise InvalidRequestError(f"logit_bias values must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {bad[0]}")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty or a bias changes the logits before the pick."""
+        return bool(self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty
+                    or self.logit_bias)
 
     def stop_tokens(self) -> frozenset[int]:
         eos = self.eos_token_id
@@ -466,10 +486,17 @@ class Engine:
             yield seq, row
 
     def _next_tokens(self, logits: torch.Tensor, picks: list[tuple[Sequence, int]]) -> list[int]:
-        """Each sequence's next token from its row of ``logits``: greedy ones by one argmax over
-        the step, sampled ones by one draw over the step (``sample_tokens``), each from its
-        request's generator."""
+        """Each sequence's next token from its row of ``logits`` (after the penalties and bias its
+        request asks for): greedy ones by one argmax over the step, sampled ones by one draw over
+        the step (``sample_tokens``), each from its request's generator."""
         settings = [self._sampling[seq.index] for seq, _ in picks]
+        if any(params.adjusts_logits for params, _ in settings):  # a float copy, a row per sequence, to adjust
+            logits = logits[host_tensor([row for _, row in picks], logits.device)].float()
+            for i, ((seq, _), (params, _)) in enumerate(zip(picks, settings)):
+                if params.adjusts_logits:
+                    adjust_logits(logits[i], seq.tokens, seq.prompt_len, params.repetition_penalty,
+                                  params.presence_penalty, params.frequency_penalty, params.logit_bias)
+            picks = [(seq, i) for i, (seq, _) in enumerate(picks)]
         drawn = [i for i, (params, _) in enumerate(settings) if params.do_sample]
         greedy = greedy_tokens(logits) if len(drawn) < len(picks) else None  # the argmax of every row
         tokens = [0 if greedy is None else greedy[row] for _, row in picks]
@@ -518,6 +545,9 @@ class Engine:
         bad = [t for t in tokens if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        bad = [t for t in params.logit_bias or {} if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise InvalidRequestError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         if len(tokens) + params.max_new_tokens > self.max_seq_len:
             raise InvalidRequestError(
                 f"prompt of {len(tokens)} tokens + max_new_tokens={params.max_new_tokens} exceeds the "

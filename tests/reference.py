@@ -1,4 +1,5 @@
-"""Shared test helpers: fill a paged cache from contiguous tensors, and reference attention."""
+"""Shared test helpers: fill a paged cache from contiguous tensors, reference attention, and stock
+``generate()`` with the logit penalties and bias a request may ask for."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import random
 
 import torch
 import torch.nn.functional as F
+from transformers import LogitsProcessor, LogitsProcessorList
 
 import flexpage
 from flexpage import masks
@@ -81,3 +83,31 @@ def reference_attention(q, k, v, q_pos, b, mask_mod=None, score_mod=None, scale=
     h = torch.arange(hq)[:, None, None]
     scores = score_mod(scores, torch.tensor(b), h, q_pos[None, :, None], torch.arange(k.shape[1])[None, None])
     return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ vf
+
+
+class OpenAIPenalties(LogitsProcessor):
+    """The reference for OpenAI's presence and frequency penalties, as its API documents them: each
+    token in the output so far (not the prompt) loses ``presence`` once and ``frequency`` per
+    occurrence."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float) -> None:
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        output = input_ids[0, self.prompt_len :].tolist()
+        for token in set(output):
+            scores[0, token] -= self.presence + self.frequency * output.count(token)
+        return scores
+
+
+def stock_adjusted(model, prompt, new_tokens, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+                   logit_bias=None):
+    """Stock greedy ``generate()`` with the penalties and bias: transformers' own processors for
+    the repetition penalty and the bias (``sequence_bias`` of one-token sequences), the reference
+    above for presence and frequency (a custom processor runs after transformers' own)."""
+    extra = [OpenAIPenalties(len(prompt), presence_penalty, frequency_penalty)] if presence_penalty or frequency_penalty else []
+    bias = {(token,): value for token, value in (logit_bias or {}).items()} or None
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                         eos_token_id=None, repetition_penalty=repetition_penalty, sequence_bias=bias,
+                         logits_processor=LogitsProcessorList(extra))
+    return out[0, len(prompt) :].tolist()

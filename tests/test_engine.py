@@ -12,6 +12,7 @@ import flexpage
 from flexpage import engine as engine_module, linear, zoo
 from flexpage import InvalidRequestError
 from flexpage.bench.measure import compiled_graphs
+from reference import stock_adjusted
 
 VOCAB = 256  # the tiny configs' vocabulary
 LENGTHS = (5, 37, 130, 64, 17, 200, 3, 90)
@@ -259,6 +260,30 @@ def test_sampling_is_seeded_and_stops_at_eos(expected):
     assert engine.generate(workload()[:1], max_new_tokens=12, eos_token_id=eos)[0] == expected[0][:stop]
 
 
+def test_penalties_and_bias_match_stock_processors(stock_llama):
+    """Requests with a repetition penalty, presence / frequency penalties, a logit bias, all of
+    them, and none, in the same steps: each greedy output equals stock ``generate()`` with the same
+    processors, and each adjustment changed the output."""
+    prompt = workload((40,))[0]
+    plain = stock_adjusted(stock_llama, prompt, 24)
+    options = [dict(repetition_penalty=1.8), dict(presence_penalty=1.5, frequency_penalty=2.0),
+               dict(logit_bias={plain[0]: -100.0, 7: 4.0}),
+               dict(repetition_penalty=0.7, presence_penalty=-0.5, frequency_penalty=0.4, logit_bias={9: 3.0}), {}]
+    engine = make_engine()
+    for option in options:
+        engine.add_request(prompt, flexpage.SamplingParams(max_new_tokens=24, eos_token_id=[], **option))
+    outputs: dict[int, list[int]] = {i: [] for i in range(len(options))}
+    for index, token in engine.run():
+        outputs[index].append(token)
+    for index, option in enumerate(options):
+        expected = stock_adjusted(stock_llama, prompt, 24, **option)
+        assert outputs[index] == expected, option
+        assert (expected != plain) == bool(option), option
+    # a sampled request sees the adjusted logits too: a bias of 100 makes its token certain
+    sampled = engine.generate([prompt], max_new_tokens=6, do_sample=True, top_k=20, seed=3, logit_bias={11: 100.0})
+    assert sampled == [[11] * 6]
+
+
 def test_logprobs_of_a_step_are_each_requests_own(stock_llama):
     """Requests asking for different numbers of alternatives (and one asking none) in the same
     steps each get theirs, against the stock model's log-softmax."""
@@ -308,6 +333,10 @@ def test_bad_requests_are_rejected_alone(expected):
         ([-1, 5], None, "outside the vocabulary"),
         ([5, 6], flexpage.SamplingParams(max_new_tokens=-1), "max_new_tokens"),
         ("a string", None, "tokenizer"),
+        ([5, 6], flexpage.SamplingParams(repetition_penalty=0.0), "repetition_penalty must be > 0"),
+        ([5, 6], flexpage.SamplingParams(frequency_penalty=2.5), "frequency_penalty must be in"),
+        ([5, 6], flexpage.SamplingParams(logit_bias={VOCAB: 1.0}), "logit_bias token ids"),
+        ([5, 6], flexpage.SamplingParams(logit_bias={5: -101.0}), "logit_bias values"),
     ]:
         with pytest.raises(InvalidRequestError, match=message):
             engine.add_request(prompt, params)

@@ -25,6 +25,7 @@ from flexpage import zoo
 from flexpage.serve import build_app
 from flexpage.serve.cli import serve
 from http_helpers import fetch, free_socket, running_server, wait_until
+from reference import stock_adjusted
 
 MODEL = "llama-tiny"
 BIN = Path(sys.executable).parent
@@ -179,6 +180,20 @@ def test_logprobs_match_stock_log_softmax(served, stock):
     assert len(entries) == chat.usage.completion_tokens and all(len(e.top_logprobs) == 2 for e in entries)
 
 
+def test_penalties_and_logit_bias_match_stock(served, stock):
+    """OpenAI's ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (token ids as JSON
+    strings) and vLLM's ``repetition_penalty`` reach the engine: the greedy text equals stock
+    ``generate()`` with the same processors."""
+    ids = prompt_ids(30, seed=6)
+    out = served.client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=12, temperature=0, presence_penalty=0.6, frequency_penalty=1.2,
+        logit_bias={"17": 5.0, "40": -100}, extra_body={"repetition_penalty": 1.4, "ignore_eos": True})
+    expected = stock_adjusted(stock, ids, 12, repetition_penalty=1.4, presence_penalty=0.6, frequency_penalty=1.2,
+                              logit_bias={17: 5.0, 40: -100.0})
+    assert expected != stock_greedy(stock, ids, 12)
+    assert out.choices[0].text == served.tokenizer.decode(expected, skip_special_tokens=True)
+
+
 def test_prefix_cache_hits_are_reported(served):
     ids = prompt_ids(70, seed=5)
     first = served.client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0)
@@ -199,6 +214,9 @@ def test_bad_requests_get_openai_errors_and_change_nothing(served):
         (dict(model=MODEL, prompt=[1, 2, 999]), "outside the vocabulary"),
         (dict(model=MODEL, prompt="hi", max_tokens=5000), "exceeds"),
         (dict(model=MODEL, prompt=""), "empty prompt"),
+        (dict(model=MODEL, prompt="hi", frequency_penalty=3), "frequency_penalty"),
+        (dict(model=MODEL, prompt="hi", logit_bias={"5": 101}), "logit_bias"),
+        (dict(model=MODEL, prompt="hi", logit_bias={"999": 1}), "logit_bias token ids"),
     ]
     for kwargs, message in cases:
         with pytest.raises(openai.BadRequestError) as error:

@@ -113,6 +113,8 @@ class Server:
             top_k=None if greedy or body.top_k in (None, -1) else body.top_k,
             top_p=None if greedy or body.top_p >= 1 else body.top_p, seed=body.seed,
             eos_token_id=[] if body.ignore_eos else None, num_return_sequences=body.n, logprobs=logprobs,
+            repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty, logit_bias=body.logit_bias,
         )
 
     def encode(self, prompt: str | list[int]) -> list[int]:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..penalties import MAX_BIAS, MAX_PENALTY
 
 MAX_STOP_STRINGS = 4
 
@@ -35,6 +37,10 @@ class SamplingRequest(OpenAIModel):
     n: int = Field(default=1, ge=1)
     stop: str | list[str] | None = None
     ignore_eos: bool = False
+    presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)  # vLLM's extension
+    logit_bias: dict[int, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] | None = None  # token id -> bias
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
