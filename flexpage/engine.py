@@ -492,10 +492,8 @@ class Engine:
         settings = [self._sampling[seq.index] for seq, _ in picks]
         if any(params.adjusts_logits for params, _ in settings):  # a float copy, a row per sequence, to adjust
             logits = logits[host_tensor([row for _, row in picks], logits.device)].float()
-            for i, ((seq, _), (params, _)) in enumerate(zip(picks, settings)):
-                if params.adjusts_logits:
-                    adjust_logits(logits[i], seq.tokens, seq.prompt_len, params.repetition_penalty,
-                                  params.presence_penalty, params.frequency_penalty, params.logit_bias)
+            adjust_logits(logits, [seq.tokens for seq, _ in picks], [seq.prompt_len for seq, _ in picks],
+                          [params for params, _ in settings])
             picks = [(seq, i) for i, (seq, _) in enumerate(picks)]
         drawn = [i for i, (params, _) in enumerate(settings) if params.do_sample]
         greedy = greedy_tokens(logits) if len(drawn) < len(picks) else None  # the argmax of every row

@@ -1,4 +1,4 @@
-"""Logit adjustments a request may ask for before its next token is picked.
+"""Logit adjustments requests may ask for before their next tokens are picked.
 
 ``logit_bias`` (OpenAI's: added to chosen tokens' logits), ``repetition_penalty`` (transformers'
 and vLLM's: every token already in the prompt or the output has its logit divided by the penalty
@@ -6,13 +6,15 @@ when positive, multiplied when negative), and OpenAI's ``presence_penalty`` / ``
 (subtracted once per token that the output holds, and once per occurrence; the prompt does not
 count, as in OpenAI's API and vLLM). They apply in that order — the bias before the repetition
 penalty as ``generate()``'s processors do, the repetition penalty before presence and frequency as
-vLLM does — to a float row; greedy picks and the sampling warpers (temperature, top-k, top-p) then
-see the adjusted row. Log-probabilities reported to the caller stay the model's own.
+vLLM does — to float rows; greedy picks and the sampling warpers (temperature, top-k, top-p) then
+see the adjusted rows. Each kind is one indexed op over every row of the step that asks for it.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections import Counter
+from itertools import chain
+from typing import Mapping, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -23,19 +25,51 @@ MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| at most (OpenAI's r
 MAX_BIAS = 100.0  # |logit_bias| values at most (OpenAI's range)
 
 
-def adjust_logits(row: Tensor, tokens: Sequence[int], prompt_len: int, repetition_penalty: float = 1.0,
-                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                  logit_bias: Mapping[int, float] | None = None) -> None:
-    """Adjust ``row`` (one float row of logits over the vocabulary) in place for a sequence whose
-    ``tokens`` are its prompt (the first ``prompt_len``) followed by its output so far."""
-    device = row.device
-    if logit_bias:
-        row[host_tensor(list(logit_bias), device)] += torch.tensor(list(logit_bias.values()), device=device)
-    if repetition_penalty != 1.0:
-        seen = host_tensor(sorted(set(tokens)), device)
-        scores = row[seen]
-        row[seen] = torch.where(scores < 0, scores * repetition_penalty, scores / repetition_penalty)
-    output = tokens[prompt_len:]
-    if output and (presence_penalty or frequency_penalty):
-        ids, counts = host_tensor(output, device).unique(return_counts=True)
-        row[ids] -= frequency_penalty * counts + presence_penalty
+class Penalties(Protocol):
+    """What a request asks for (``flexpage.SamplingParams`` has these fields)."""
+
+    repetition_penalty: float  # 1: none
+    presence_penalty: float
+    frequency_penalty: float
+    logit_bias: Mapping[int, float] | None  # token id -> bias
+
+
+def adjust_logits(logits: Tensor, tokens: Sequence[Sequence[int]], prompt_lens: Sequence[int],
+                  params: Sequence[Penalties]) -> None:
+    """Adjust ``logits`` (float ``[rows, vocab]``) in place: row ``i`` for a sequence whose
+    ``tokens[i]`` are its prompt (the first ``prompt_lens[i]``) followed by its output so far, as
+    ``params[i]`` asks."""
+    biased = [i for i, p in enumerate(params) if p.logit_bias]
+    if biased:
+        index, _ = _row_entries(logits, biased, [list(params[i].logit_bias) for i in biased])
+        bias = [value for i in biased for value in params[i].logit_bias.values()]
+        logits.index_put_(index, torch.tensor(bias, dtype=logits.dtype, device=logits.device), accumulate=True)
+    repeated = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if repeated:  # every token of the prompt and the output, once
+        index, counts = _row_entries(logits, repeated, [list(set(tokens[i])) for i in repeated])
+        penalty = _per_entry(logits, [params[i].repetition_penalty for i in repeated], counts)
+        scores = logits[index]
+        logits[index] = torch.where(scores < 0, scores * penalty, scores / penalty)
+    counted = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty)
+               and len(tokens[i]) > prompt_lens[i]]
+    if counted:  # every token of the output, with its count
+        occurrences = [Counter(tokens[i][prompt_lens[i]:]) for i in counted]
+        index, counts = _row_entries(logits, counted, [list(c) for c in occurrences])
+        times = torch.tensor([n for c in occurrences for n in c.values()], dtype=logits.dtype, device=logits.device)
+        presence = _per_entry(logits, [params[i].presence_penalty for i in counted], counts)
+        frequency = _per_entry(logits, [params[i].frequency_penalty for i in counted], counts)
+        logits.index_put_(index, -(presence + frequency * times), accumulate=True)
+
+
+def _row_entries(logits: Tensor, rows: list[int], tokens: list[list[int]]) -> tuple[tuple[Tensor, Tensor], Tensor]:
+    """The index of ``tokens[j]`` in row ``rows[j]`` of ``logits``, for every ``j`` at once, and
+    how many entries each row has (built from flat lists: per-entry Python tuples cost ~1 ms for
+    the ~4,000 tokens of 32 sequences)."""
+    device = logits.device
+    counts = host_tensor([len(t) for t in tokens], device)
+    return (host_tensor(rows, device).repeat_interleave(counts), host_tensor(list(chain.from_iterable(tokens)), device)), counts
+
+
+def _per_entry(logits: Tensor, values: list[float], counts: Tensor) -> Tensor:
+    """Each row's value repeated over its ``counts`` entries."""
+    return torch.tensor(values, dtype=logits.dtype, device=logits.device).repeat_interleave(counts)
