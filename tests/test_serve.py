@@ -217,11 +217,16 @@ def test_bad_requests_get_openai_errors_and_change_nothing(served):
         (dict(model=MODEL, prompt="hi", frequency_penalty=3), "frequency_penalty"),
         (dict(model=MODEL, prompt="hi", logit_bias={"5": 101}), "logit_bias"),
         (dict(model=MODEL, prompt="hi", logit_bias={"999": 1}), "logit_bias token ids"),
+        (dict(model=MODEL, prompt="hi", best_of=3), "best_of"),  # known fields it can't honour: refused
+        (dict(model=MODEL, prompt="hi", suffix="end"), "suffix"),
     ]
     for kwargs, message in cases:
         with pytest.raises(openai.BadRequestError) as error:
             client.completions.create(**kwargs)
         assert message in error.value.body["message"] and error.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       response_format={"type": "json_object"})
     status, body = fetch(served.base, "POST", "/v1/completions", b"{not json")
     assert status == 400 and json.loads(body)["error"]["type"] == "invalid_request_error"
     # unknown fields are tolerated

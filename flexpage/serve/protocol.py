@@ -69,6 +69,8 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request: one string, one token-id list, or a list of either."""
@@ -78,9 +80,14 @@ class CompletionRequest(SamplingRequest):
         return list(p) or [[]]
 
     @model_validator(mode="after")
-    def _no_echo(self) -> CompletionRequest:
+    def _supported(self) -> CompletionRequest:
+        """Known fields the server cannot honour are refused, not ignored."""
         if self.echo:
             raise ValueError("echo is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported (every sample is returned: use n)")
+        if self.suffix:
+            raise ValueError("suffix (insertion) is not supported")
         return self
 
 
@@ -100,11 +107,14 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: dict | None = None
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("response_format other than text is not supported (no constrained decoding)")
         return self
 
     @property
