@@ -76,7 +76,8 @@ class SamplingParams:
             raise InvalidRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
-                raise InvalidRequestError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {getattr(self, name)}")
+                raise InvalidRequestError(
+                    f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {getattr(self, name)}")
         bad = [b for b in (self.logit_bias or {}).values() if not -MAX_BIAS <= b <= MAX_BIAS]
         if bad:
             raise InvalidRequestError(f"logit_bias values must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {bad[0]}")

@@ -67,7 +67,8 @@ def _row_entries(logits: Tensor, rows: list[int], tokens: list[list[int]]) -> tu
     the ~4,000 tokens of 32 sequences)."""
     device = logits.device
     counts = host_tensor([len(t) for t in tokens], device)
-    return (host_tensor(rows, device).repeat_interleave(counts), host_tensor(list(chain.from_iterable(tokens)), device)), counts
+    index = host_tensor(rows, device).repeat_interleave(counts), host_tensor(list(chain.from_iterable(tokens)), device)
+    return index, counts
 
 
 def _per_entry(logits: Tensor, values: list[float], counts: Tensor) -> Tensor:

@@ -105,7 +105,7 @@ def stock_adjusted(model, prompt, new_tokens, repetition_penalty=1.0, presence_p
     """Stock greedy ``generate()`` with the penalties and bias: transformers' own processors for
     the repetition penalty and the bias (``sequence_bias`` of one-token sequences), the reference
     above for presence and frequency (a custom processor runs after transformers' own)."""
-    extra = [OpenAIPenalties(len(prompt), presence_penalty, frequency_penalty)] if presence_penalty or frequency_penalty else []
+    extra = [OpenAIPenalties(len(prompt), presence_penalty, frequency_penalty)]
     bias = {(token,): value for token, value in (logit_bias or {}).items()} or None
     out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                          eos_token_id=None, repetition_penalty=repetition_penalty, sequence_bias=bias,

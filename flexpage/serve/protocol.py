@@ -110,7 +110,7 @@ class ChatCompletionRequest(SamplingRequest):
     response_format: dict | None = None
 
     @model_validator(mode="after")
-    def _check_logprobs(self) -> ChatCompletionRequest:
+    def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         if self.response_format and self.response_format.get("type", "text") != "text":
