@@ -58,6 +58,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # in [-2, 2]
     frequency_penalty: float = 0.0  # in [-2, 2]
     logit_bias: Mapping[int, float] | None = None  # token id -> bias in [-100, 100]
+    min_new_tokens: int = 0  # no stop token before this many new tokens
 
     def check(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -78,6 +79,9 @@ class SamplingParams:
             if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
                 raise InvalidRequestError(
                     f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {getattr(self, name)}")
+        if not isinstance(self.min_new_tokens, int) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise InvalidRequestError(f"min_new_tokens must be an int in [0, max_new_tokens={self.max_new_tokens}], "
+                                      f"got {self.min_new_tokens!r}")
         bad = [b for b in (self.logit_bias or {}).values() if not -MAX_BIAS <= b <= MAX_BIAS]
         if bad:
             raise InvalidRequestError(f"logit_bias values must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {bad[0]}")
@@ -86,7 +90,7 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether a penalty or a bias changes the logits before the pick."""
         return bool(self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty
-                    or self.logit_bias)
+                    or self.logit_bias or self.min_new_tokens)
 
     def stop_tokens(self) -> frozenset[int]:
         eos = self.eos_token_id
@@ -494,7 +498,7 @@ class Engine:
         if any(params.adjusts_logits for params, _ in settings):  # a float copy, a row per sequence, to adjust
             logits = logits[host_tensor([row for _, row in picks], logits.device)].float()
             adjust_logits(logits, [seq.tokens for seq, _ in picks], [seq.prompt_len for seq, _ in picks],
-                          [params for params, _ in settings])
+                          [params for params, _ in settings], [seq.stop_token_ids for seq, _ in picks])
             picks = [(seq, i) for i, (seq, _) in enumerate(picks)]
         drawn = [i for i, (params, _) in enumerate(settings) if params.do_sample]
         greedy = greedy_tokens(logits) if len(drawn) < len(picks) else None  # the argmax of every row

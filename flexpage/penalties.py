@@ -6,15 +6,17 @@ when positive, multiplied when negative), and OpenAI's ``presence_penalty`` / ``
 (subtracted once per token that the output holds, and once per occurrence; the prompt does not
 count, as in OpenAI's API and vLLM). They apply in that order — the bias before the repetition
 penalty as ``generate()``'s processors do, the repetition penalty before presence and frequency as
-vLLM does — to float rows; greedy picks and the sampling warpers (temperature, top-k, top-p) then
-see the adjusted rows. Each kind is one indexed op over every row of the step that asks for it.
+vLLM does — to float rows; then ``min_new_tokens`` (transformers'; vLLM's ``min_tokens``) takes
+the stop tokens out of a row whose output is shorter. Greedy picks and the sampling warpers
+(temperature, top-k, top-p) see the adjusted rows. Each kind is one indexed op over every row of
+the step that asks for it.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from itertools import chain
-from typing import Mapping, Protocol, Sequence
+from typing import Collection, Mapping, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -32,13 +34,14 @@ class Penalties(Protocol):
     presence_penalty: float
     frequency_penalty: float
     logit_bias: Mapping[int, float] | None  # token id -> bias
+    min_new_tokens: int  # 0: none
 
 
 def adjust_logits(logits: Tensor, tokens: Sequence[Sequence[int]], prompt_lens: Sequence[int],
-                  params: Sequence[Penalties]) -> None:
+                  params: Sequence[Penalties], stop_tokens: Sequence[Collection[int]]) -> None:
     """Adjust ``logits`` (float ``[rows, vocab]``) in place: row ``i`` for a sequence whose
-    ``tokens[i]`` are its prompt (the first ``prompt_lens[i]``) followed by its output so far, as
-    ``params[i]`` asks."""
+    ``tokens[i]`` are its prompt (the first ``prompt_lens[i]``) followed by its output so far, and
+    which ``stop_tokens[i]`` end, as ``params[i]`` asks."""
     biased = [i for i, p in enumerate(params) if p.logit_bias]
     if biased:
         index, _ = _row_entries(logits, biased, [list(params[i].logit_bias) for i in biased])
@@ -59,6 +62,10 @@ def adjust_logits(logits: Tensor, tokens: Sequence[Sequence[int]], prompt_lens: 
         presence = _per_entry(logits, [params[i].presence_penalty for i in counted], counts)
         frequency = _per_entry(logits, [params[i].frequency_penalty for i in counted], counts)
         logits.index_put_(index, -(presence + frequency * times), accumulate=True)
+    early = [i for i, p in enumerate(params) if len(tokens[i]) - prompt_lens[i] < p.min_new_tokens and stop_tokens[i]]
+    if early:  # too short to stop: no stop token may be picked
+        index, _ = _row_entries(logits, early, [list(stop_tokens[i]) for i in early])
+        logits[index] = float("-inf")
 
 
 def _row_entries(logits: Tensor, rows: list[int], tokens: list[list[int]]) -> tuple[tuple[Tensor, Tensor], Tensor]:

@@ -101,13 +101,14 @@ class OpenAIPenalties(LogitsProcessor):
 
 
 def stock_adjusted(model, prompt, new_tokens, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
-                   logit_bias=None):
-    """Stock greedy ``generate()`` with the penalties and bias: transformers' own processors for
-    the repetition penalty and the bias (``sequence_bias`` of one-token sequences), the reference
-    above for presence and frequency (a custom processor runs after transformers' own)."""
+                   logit_bias=None, min_new_tokens=0, eos_token_id=None):
+    """Stock greedy ``generate()`` with the penalties, bias and minimum length: transformers' own
+    processors for the repetition penalty, the bias (``sequence_bias`` of one-token sequences) and
+    ``min_new_tokens``, the reference above for presence and frequency (a custom processor runs
+    after transformers' own); no stop token unless ``eos_token_id`` names one."""
     extra = [OpenAIPenalties(len(prompt), presence_penalty, frequency_penalty)]
     bias = {(token,): value for token, value in (logit_bias or {}).items()} or None
     out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                         eos_token_id=None, repetition_penalty=repetition_penalty, sequence_bias=bias,
-                         logits_processor=LogitsProcessorList(extra))
+                         eos_token_id=eos_token_id, repetition_penalty=repetition_penalty, sequence_bias=bias,
+                         min_new_tokens=min_new_tokens, logits_processor=LogitsProcessorList(extra))
     return out[0, len(prompt) :].tolist()

@@ -263,7 +263,7 @@ def test_sampling_is_seeded_and_stops_at_eos(expected):
 def test_penalties_and_bias_match_stock_processors(stock_llama):
     """Requests with a repetition penalty, presence / frequency penalties, a logit bias, all of
     them, and none, in the same steps: each greedy output equals stock ``generate()`` with the same
-    processors, and each adjustment changed the output."""
+    processors, and each adjustment changed the output; so does a minimum length."""
     prompt = workload((40,))[0]
     plain = stock_adjusted(stock_llama, prompt, 24)
     options = [dict(repetition_penalty=1.8), dict(presence_penalty=1.5, frequency_penalty=2.0),
@@ -279,6 +279,11 @@ def test_penalties_and_bias_match_stock_processors(stock_llama):
         expected = stock_adjusted(stock_llama, prompt, 24, **option)
         assert outputs[index] == expected, option
         assert (expected != plain) == bool(option), option
+    # a stop token (the plain output's third) is not picked before min_new_tokens
+    eos = plain[2]
+    assert engine.generate([prompt], max_new_tokens=24, eos_token_id=eos)[0] == plain[:3]
+    longer = engine.generate([prompt], max_new_tokens=24, eos_token_id=eos, min_new_tokens=8)[0]
+    assert longer == stock_adjusted(stock_llama, prompt, 24, min_new_tokens=8, eos_token_id=eos) and len(longer) > 8
     # a sampled request sees the adjusted logits too: a bias of 100 makes its token certain
     sampled = engine.generate([prompt], max_new_tokens=6, do_sample=True, top_k=20, seed=3, logit_bias={11: 100.0})
     assert sampled == [[11] * 6]
@@ -337,6 +342,7 @@ def test_bad_requests_are_rejected_alone(expected):
         ([5, 6], flexpage.SamplingParams(frequency_penalty=2.5), "frequency_penalty must be in"),
         ([5, 6], flexpage.SamplingParams(logit_bias={VOCAB: 1.0}), "logit_bias token ids"),
         ([5, 6], flexpage.SamplingParams(logit_bias={5: -101.0}), "logit_bias values"),
+        ([5, 6], flexpage.SamplingParams(max_new_tokens=4, min_new_tokens=5), "min_new_tokens"),
     ]:
         with pytest.raises(InvalidRequestError, match=message):
             engine.add_request(prompt, params)

@@ -219,6 +219,7 @@ def test_bad_requests_get_openai_errors_and_change_nothing(served):
         (dict(model=MODEL, prompt="hi", logit_bias={"999": 1}), "logit_bias token ids"),
         (dict(model=MODEL, prompt="hi", best_of=3), "best_of"),  # known fields it can't honour: refused
         (dict(model=MODEL, prompt="hi", suffix="end"), "suffix"),
+        (dict(model=MODEL, prompt="hi", max_tokens=4, extra_body={"min_tokens": 5}), "min_tokens (5) exceeds"),
     ]
     for kwargs, message in cases:
         with pytest.raises(openai.BadRequestError) as error:

@@ -107,6 +107,9 @@ class Server:
             if max_tokens < 1:
                 raise APIError(400, f"the prompt's {prompt_len} tokens leave no room for output "
                                     f"(at most {self.engine.max_seq_len} tokens per sequence)", param="messages")
+        if body.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens ({body.min_tokens}) exceeds the request's {max_tokens} output tokens",
+                           param="min_tokens")
         greedy = body.temperature == 0
         return SamplingParams(
             max_new_tokens=max_tokens, do_sample=not greedy, temperature=1.0 if greedy else body.temperature,
@@ -114,7 +117,7 @@ class Server:
             top_p=None if greedy or body.top_p >= 1 else body.top_p, seed=body.seed,
             eos_token_id=[] if body.ignore_eos else None, num_return_sequences=body.n, logprobs=logprobs,
             repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty, logit_bias=body.logit_bias,
+            frequency_penalty=body.frequency_penalty, logit_bias=body.logit_bias, min_new_tokens=body.min_tokens,
         )
 
     def encode(self, prompt: str | list[int]) -> list[int]:

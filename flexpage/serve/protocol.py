@@ -40,6 +40,7 @@ class SamplingRequest(OpenAIModel):
     presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     repetition_penalty: float = Field(default=1.0, gt=0.0)  # vLLM's extension
+    min_tokens: int = Field(default=0, ge=0)  # vLLM's extension: no stop token before this many
     logit_bias: dict[int, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] | None = None  # token id -> bias
     stream: bool = False
     stream_options: StreamOptions | None = None
