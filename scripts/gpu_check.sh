@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-shot GPU check (under 8 minutes on one H200): the CUDA tests, then short latency and
+# One-shot GPU check (under 9 minutes on one H200): the CUDA tests, then short latency and
 # throughput benchmarks on the GPU; everything lands in results/gpu/.
 #
 #   bash scripts/gpu_check.sh
@@ -38,11 +38,17 @@ workers=$(python -c "import importlib.util as u; print('-n 6' if u.find_spec('xd
 timeout 170 python -m pytest -q $workers -p no:cacheprovider tests/test_cuda.py tests/test_gpu_layout.py \
   --junitxml "$OUT/tests.xml" >"$OUT/tests.txt" 2>&1 || status=$?
 tail -15 "$OUT/tests.txt"
-timeout 140 python -m flexpage.cli bench latency --device cuda --lengths 128 512 2048 --new-tokens 32 --repeats 2 \
+lengths="128 512 2048 4096"
+timeout 150 python -m flexpage.cli bench latency --device cuda --lengths $lengths --new-tokens 32 --repeats 2 \
   --configs flexpage flexpage_engine stock_dynamic_sdpa stock_static_compiled --out "$OUT" \
   >"$OUT/latency.txt" 2>&1 || status=$?
 tail -12 "$OUT/latency.txt"
-timeout 120 python -m flexpage.cli bench throughput --device cuda --requests 16 --prompt-range 64 1024 --output-range 16 128 --batch-sizes 8 16 --out "$OUT" \
+# the compiled decode forward (CUDA graphs) beside stock's static cache + torch.compile, in a process of its own
+timeout 150 python -m flexpage.cli bench latency --device cuda --lengths $lengths --new-tokens 32 --repeats 2 \
+  --configs flexpage_compiled stock_dynamic_sdpa stock_static_compiled --name latency_compiled --out "$OUT" \
+  >"$OUT/latency_compiled.txt" 2>&1 || status=$?
+tail -8 "$OUT/latency_compiled.txt"
+timeout 100 python -m flexpage.cli bench throughput --device cuda --requests 16 --prompt-range 64 1024 --output-range 16 128 --batch-sizes 8 16 --out "$OUT" \
   >"$OUT/throughput.txt" 2>&1 || status=$?
 tail -12 "$OUT/throughput.txt"
 echo "gpu_check: results in $OUT (exit status $status)"
