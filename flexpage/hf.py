@@ -83,9 +83,7 @@ def wrap(
 
     ``compile_decode=True`` lets ``generate`` compile the whole decode forward once (through
     transformers' own ``CompileConfig``, on every device, with inductor's weight freezing):
-    the pools never change shape, so that one graph serves every context length. On a CUDA
-    GPU the graph is also captured as CUDA graphs (``mode="reduce-overhead"``, as transformers'
-    static cache is compiled), since eager decode there is bound by kernel launches. Compiled
+    the pools never change shape, so that one graph serves every context length. Compiled
     matmuls round differently from eager ones, so greedy tokens match the stock model only
     up to near-ties of the logits; on the default path they have matched it in every test.
 
@@ -133,15 +131,9 @@ def wrap(
         linears.pack(max_batch_size)
     model._flexpage = _Wrapped(cache, stock, hook, model.generation_config.compile_config, cache_argument(model), linears)
     if compile_decode:
-        on_gpu = any(device.type == "cuda" for device in devices)
         for layer in cache.layers:
             layer.is_compileable = True  # transformers compiles decode forwards only for such caches
-            if on_gpu:  # written in place by CUDA graphs: they must never move (as transformers' static cache)
-                torch._dynamo.mark_static_address(layer.keys)
-                torch._dynamo.mark_static_address(layer.values)
-        # on a GPU, captured as CUDA graphs ("reduce-overhead"): eager decode there is launch-bound
-        mode, options = ("reduce-overhead", {}) if on_gpu else (None, {"freezing": True})
-        config = CompileConfig(fullgraph=False, dynamic=False, mode=mode, options=options)
+        config = CompileConfig(fullgraph=False, dynamic=False, mode=None, options={"freezing": True})
         config._compile_all_devices = True  # transformers compiles on accelerators only, unless told
         model.generation_config.compile_config = config
         if linears is not None:
