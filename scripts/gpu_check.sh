@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One-shot GPU check: the CUDA tests, then short latency and throughput benchmarks on the GPU;
 # everything lands in results/gpu/. Each stage has its own time limit and they sum to 7 minutes
-# (STAGES_S below), so give the whole call at least 8: a run cut off from outside returns nothing.
-# Each stage prints when it starts and ends, so a slow one is named.
+# (150 + 110 + 90 + 70 s), so give the whole call at least 8: a run cut off from outside returns
+# nothing. Each stage prints when it starts, so a slow one is named.
 #
 #   bash scripts/gpu_check.sh            # PYTHON=... to choose the interpreter (default python3)
 #
@@ -14,8 +14,15 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT=results/gpu
 PY=${PYTHON:-python3}
-STAGES_S=420  # 150 + 110 + 90 + 70, the stages' limits below
 stage() { echo "gpu_check: $(date +%T) $*"; }
+status=0
+run_stage() {  # NAME LIMIT_S LOG TAIL_LINES COMMAND...: one stage under its own limit; its log's tail shown
+  local name=$1 limit=$2 log=$3 lines=$4
+  shift 4
+  stage "$name (limit $limit s)"
+  timeout "$limit" "$@" >"$log" 2>&1 || status=$?
+  tail -"$lines" "$log"
+}
 
 if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   echo "gpu_check: no CUDA GPU visible to torch (or no torch installed); nothing to check on this machine." >&2
@@ -38,27 +45,16 @@ import torch, transformers
 print(f"{torch.cuda.get_device_name()}; torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}")
 PY
 
-status=0
 workers=$($PY -c "import importlib.util as u; print('-n 6' if u.find_spec('xdist') else '')")
-stage "CUDA tests (limit 150 s)"
-timeout 150 $PY -m pytest -q $workers -p no:cacheprovider tests/test_cuda.py tests/test_gpu_layout.py \
-  --junitxml "$OUT/tests.xml" >"$OUT/tests.txt" 2>&1 || status=$?
-tail -15 "$OUT/tests.txt"
-lengths="128 512 2048"
-stage "latency (limit 110 s)"
-timeout 110 $PY -m flexpage.cli bench latency --device cuda --lengths $lengths --new-tokens 32 --repeats 2 \
-  --configs flexpage flexpage_engine stock_dynamic_sdpa stock_static_compiled --out "$OUT" \
-  >"$OUT/latency.txt" 2>&1 || status=$?
-tail -12 "$OUT/latency.txt"
+run_stage "CUDA tests" 150 "$OUT/tests.txt" 15 $PY -m pytest -q $workers -p no:cacheprovider \
+  tests/test_cuda.py tests/test_gpu_layout.py --junitxml "$OUT/tests.xml"
+latency=(-m flexpage.cli bench latency --device cuda --lengths 128 512 2048 --new-tokens 32 --repeats 2 --out "$OUT")
+run_stage "latency" 110 "$OUT/latency.txt" 12 $PY "${latency[@]}" \
+  --configs flexpage flexpage_engine stock_dynamic_sdpa stock_static_compiled
 # wrap(compile_decode=True) beside stock's static cache + torch.compile, in a process of its own
-stage "latency, compiled (limit 90 s)"
-timeout 90 $PY -m flexpage.cli bench latency --device cuda --lengths $lengths --new-tokens 32 --repeats 2 \
-  --configs flexpage_compiled stock_dynamic_sdpa stock_static_compiled --name latency_compiled --out "$OUT" \
-  >"$OUT/latency_compiled.txt" 2>&1 || status=$?
-tail -8 "$OUT/latency_compiled.txt"
-stage "throughput (limit 70 s)"
-timeout 70 $PY -m flexpage.cli bench throughput --device cuda --requests 16 --prompt-range 64 1024 --output-range 16 128 --batch-sizes 8 16 --out "$OUT" \
-  >"$OUT/throughput.txt" 2>&1 || status=$?
-tail -12 "$OUT/throughput.txt"
+run_stage "latency, compiled" 90 "$OUT/latency_compiled.txt" 8 $PY "${latency[@]}" \
+  --configs flexpage_compiled stock_dynamic_sdpa stock_static_compiled --name latency_compiled
+run_stage "throughput" 70 "$OUT/throughput.txt" 12 $PY -m flexpage.cli bench throughput --device cuda --requests 16 \
+  --prompt-range 64 1024 --output-range 16 128 --batch-sizes 8 16 --out "$OUT"
 stage "done: results in $OUT (exit status $status)"
 exit $status
