@@ -28,7 +28,7 @@ from .masks import PackedBlockMask
 from .pages import cdiv, host_tensor
 from .parallel import RankSync
 from .penalties import MAX_BIAS, MAX_PENALTY, adjust_logits
-from .sampling import greedy_tokens, sample_tokens
+from .sampling import Sampler, greedy_tokens
 from .scheduler import Scheduler, Sequence
 
 # query block of prefill chunks where FlexAttention attends them (Triton's smallest tile); where SDPA
@@ -190,6 +190,7 @@ class Engine:
         self.scheduler = Scheduler(self.cache, max_batch_size, max_tokens_per_step, self.chunk_block, prefix_caching)
         self.warmup_seconds = 0.0
         self._sampling: dict[int, tuple[SamplingParams, torch.Generator | None]] = {}
+        self._sampler = Sampler()  # keeps its scratch rows from step to step
         self._next_index = 0
         self.ranks = RankSync.for_model(self.model, tp_group, check_ranks)
         self._closed = False
@@ -493,7 +494,7 @@ class Engine:
     def _next_tokens(self, logits: torch.Tensor, picks: list[tuple[Sequence, int]]) -> list[int]:
         """Each sequence's next token from its row of ``logits`` (after the penalties and bias its
         request asks for): greedy ones by one argmax over the step, sampled ones by one draw over
-        the step (``sample_tokens``), each from its request's generator."""
+        the step (``Sampler``), each from its request's generator."""
         settings = [self._sampling[seq.index] for seq, _ in picks]
         if any(params.adjusts_logits for params, _ in settings):  # a float copy, a row per sequence, to adjust
             logits = logits[host_tensor([row for _, row in picks], logits.device)].float()
@@ -507,7 +508,7 @@ class Engine:
             params = [settings[i][0] for i in drawn]
             index = [picks[i][1] for i in drawn]  # no copy of the logits when every row samples
             rows = logits if index == list(range(len(logits))) else logits[host_tensor(index, logits.device)]
-            sampled = sample_tokens(rows, [p.temperature for p in params], [p.top_k for p in params],
+            sampled = self._sampler(rows, [p.temperature for p in params], [p.top_k for p in params],
                                     [p.top_p for p in params], [settings[i][1] for i in drawn])
             for i, token in zip(drawn, sampled):
                 tokens[i] = token

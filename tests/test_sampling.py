@@ -148,3 +148,40 @@ def test_each_row_draws_from_its_own_generator():
     assert draw([1, 2, 3]) == draw([1, 2, 3])
     assert draw([1, 2, 3])[1:] == draw([9, 2, 3])[1:]  # a row's seed changes that row only
     assert [draw([s, 2, 3])[0] for s in range(20)] != [draw([1, 2, 3])[0]] * 20
+
+
+@pytest.mark.parametrize("vocab", [1000, 768, 100])  # a shorter last block; whole blocks; one short block
+@pytest.mark.parametrize("cdf_type", [sampling.Cdf, sampling.BlockedCdf])
+def test_cdf_inverts_the_cumulative_weight_and_never_lands_on_a_zero(vocab, cdf_type):
+    torch.manual_seed(vocab)
+    weights = torch.rand(4, vocab) ** 8  # uneven
+    weights[1, vocab // 3 :] = 0.0  # nothing after the first third: whole blocks of zeros
+    weights[2, ::2] = 0.0  # every other token
+    weights[3] = 0.0
+    weights[3, vocab - 1] = 0.5  # the last token alone
+    cdf = cdf_type(weights)
+    reference = weights.double().cumsum(-1)  # in float64: the intervals the draws must land in
+    uniforms = torch.cat([torch.rand(300, 4), torch.tensor([[0.0] * 4, [1 - 2**-24] * 4])])
+    for uniform in uniforms:
+        tokens = cdf.invert(uniform)
+        assert bool((weights.gather(1, tokens[:, None]) > 0).all())
+        target = uniform.double() * reference[:, -1]
+        end = reference.gather(1, tokens[:, None])[:, 0]
+        start = end - weights.double().gather(1, tokens[:, None])[:, 0]
+        slack = 1e-5 * reference[:, -1]  # float32 sums in another order
+        assert bool(((start <= target + slack) & (target < end + slack)).all())
+        assert torch.equal(cdf.invert(uniform[[3, 1]], [3, 1]), tokens[[3, 1]])  # some rows only
+
+
+def test_a_sampler_reused_over_steps_draws_as_a_fresh_one_and_leaves_the_logits_alone():
+    sampler = sampling.Sampler()
+    torch.manual_seed(0)
+    # 24 rows: a BlockedCdf; then fewer rows, another vocabulary and dtype, temperatures per row
+    for rows, vocab, dtype in [(24, 1000, torch.float32), (3, 700, torch.bfloat16), (24, 300, torch.float32)]:
+        logits = torch.randn(rows, vocab).to(dtype)
+        before = logits.clone()
+        temperature = [0.7 + 0.1 * (r % 3) for r in range(rows)]
+        settings = (temperature, [None] * rows, [0.9 if r % 2 else None for r in range(rows)])
+        got = sampler(logits, *settings, [torch.Generator().manual_seed(r) for r in range(rows)])
+        assert got == sample_tokens(logits, *settings, [torch.Generator().manual_seed(r) for r in range(rows)])
+        assert torch.equal(logits, before)
