@@ -25,7 +25,7 @@ NUCLEUS_TRIES = 4  # draws a top-p row may reject before its nucleus is computed
 FIRST_WIDTH = 256  # where top_p_filtered looks for its threshold first (a radix select if they miss the nucleus)
 RADIX_DIGITS = ((20, 11), (9, 11), (0, 9))  # (shift, bits) of each pass over a float's 31 non-sign bits
 BLOCK = 256  # tokens per block of a BlockedCdf
-BLOCKED_ROWS = 20  # from this many rows a BlockedCdf draws faster than a Cdf (24 rows of 32,000: 2.1 vs 2.4 ms a step)
+MANY_ROWS = 16  # from this many whole-vocabulary rows the CPU's Sampler uses its scratch and a BlockedCdf
 
 
 def greedy_tokens(logits: Tensor) -> list[int]:
@@ -42,10 +42,12 @@ def greedy_tokens(logits: Tensor) -> list[int]:
 
 
 class Sampler:
-    """Draws a step's sampled tokens (``__call__``), keeping the rows it turns into probabilities
-    over the whole vocabulary from step to step: on our CPU a fresh 4 MB tensor (32 rows of 32,000
-    floats) costs ~0.8 ms of page faults every time, more than the softmax written into it (0.3 ms).
-    The scratch grows to the most such rows a step has had; an Engine keeps one ``Sampler``."""
+    """Draws a step's sampled tokens (``__call__``). On the CPU, ``MANY_ROWS`` or more rows over the
+    whole vocabulary write their probabilities into a scratch the sampler keeps from step to step
+    (a fresh 4 MB tensor, 32 rows of 32,000 floats, may cost ~0.8 ms of page faults, more than the
+    softmax written into it; fewer rows allocate, which costs less than slicing the scratch) and
+    draw through a ``BlockedCdf``. The scratch grows to the most such rows a step has had; an Engine
+    keeps one ``Sampler``."""
 
     def __init__(self) -> None:
         self._scratch: Tensor | None = None
@@ -72,8 +74,11 @@ class Sampler:
             for i, token in zip(cut, picked[:, 0].tolist()):
                 tokens[i] = token
         if whole:  # over the whole vocabulary, in its own order
-            probs = self._probs(_rows(logits, whole), [temperature[i] for i in whole])
-            cdf = BlockedCdf(probs) if len(whole) >= BLOCKED_ROWS else Cdf(probs)
+            scores, temperatures = _rows(logits, whole), [temperature[i] for i in whole]
+            if logits.device.type == "cpu" and len(whole) >= MANY_ROWS:
+                cdf = BlockedCdf(self._probs(scores, temperatures))
+            else:  # a GPU allocates from its cache, and its cumsum is one fast kernel against the blocks' ~15
+                cdf = Cdf(_scaled(scores, temperatures).softmax(-1))
             picked = cdf.invert(uniform[whole]).tolist()
             nucleus = [(j, top_p[i], draws[i]) for j, i in enumerate(whole) if top_p[i] is not None]
             if nucleus:
@@ -88,10 +93,7 @@ class Sampler:
         if self._scratch is None or self._scratch.device != logits.device or self._scratch.numel() < size:
             self._scratch = torch.empty(size, device=logits.device)
         probs = self._scratch[:size].view(logits.shape)
-        if len(set(temperature)) == 1:  # one number: no tensor of them to build (~80 us with cold caches)
-            torch.div(logits, temperature[0], out=probs)
-        else:
-            torch.div(logits, torch.tensor(temperature, device=logits.device)[:, None], out=probs)
+        torch.div(logits, _divisor(temperature, logits.device), out=probs)
         return torch.softmax(probs, -1, out=probs)
 
 
@@ -261,7 +263,13 @@ def _scaled(logits: Tensor, temperature: Sequence[float]) -> Tensor:
     temperature is 1 and the logits are float32 already)."""
     if all(t == 1.0 for t in temperature):
         return logits.float()
-    return logits.float() / torch.tensor(temperature, device=logits.device)[:, None]
+    return logits.float() / _divisor(temperature, logits.device)
+
+
+def _divisor(temperature: Sequence[float], device: torch.device) -> float | Tensor:
+    """The rows' temperatures: one number when they agree (no tensor to build: ~80 us with cold
+    caches), else a column."""
+    return temperature[0] if len(set(temperature)) == 1 else torch.tensor(temperature, device=device)[:, None]
 
 
 def _rows(scores: Tensor, rows: list[int]) -> Tensor:

@@ -112,11 +112,14 @@ def test_no_top_p_removes_nothing_even_behind_a_near_certain_token(top_p):
 
 # top-p rows over the whole vocabulary: by rejection (4 tries: the exact nucleus is rarely needed;
 # 1: often, a mixture), or always from the exact nucleus (0 tries), its threshold from the candidates
-# (256) or a radix select (3 candidates: the nuclei pass them)
-@pytest.mark.parametrize("tries, first_width", [(4, 256), (1, 256), (0, 256), (0, 3)])
-def test_draws_follow_the_warped_distribution_and_never_removed_tokens(tries, first_width, monkeypatch):
+# (256) or a radix select (3 candidates: the nuclei pass them); a few rows (a Cdf) or "many" (1: the
+# scratch and a BlockedCdf)
+@pytest.mark.parametrize("tries, first_width, many_rows", [(4, 256, 16), (1, 256, 16), (0, 256, 16), (0, 3, 16),
+                                                           (4, 256, 1)])
+def test_draws_follow_the_warped_distribution_and_never_removed_tokens(tries, first_width, many_rows, monkeypatch):
     monkeypatch.setattr(sampling, "NUCLEUS_TRIES", tries)
     monkeypatch.setattr(sampling, "FIRST_WIDTH", first_width)
+    monkeypatch.setattr(sampling, "MANY_ROWS", many_rows)
     assert_draws_follow_the_warpers("cpu")
 
 
@@ -176,7 +179,7 @@ def test_cdf_inverts_the_cumulative_weight_and_never_lands_on_a_zero(vocab, cdf_
 def test_a_sampler_reused_over_steps_draws_as_a_fresh_one_and_leaves_the_logits_alone():
     sampler = sampling.Sampler()
     torch.manual_seed(0)
-    # 24 rows: a BlockedCdf; then fewer rows, another vocabulary and dtype, temperatures per row
+    # 24 rows: the scratch and a BlockedCdf; then fewer rows, another vocabulary and dtype, a temperature per row
     for rows, vocab, dtype in [(24, 1000, torch.float32), (3, 700, torch.bfloat16), (24, 300, torch.float32)]:
         logits = torch.randn(rows, vocab).to(dtype)
         before = logits.clone()
