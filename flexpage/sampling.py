@@ -77,7 +77,7 @@ class Sampler:
             scores, temperatures = _rows(logits, whole), [temperature[i] for i in whole]
             if logits.device.type == "cpu" and len(whole) >= MANY_ROWS:
                 cdf = BlockedCdf(self._probs(scores, temperatures))
-            else:  # a GPU allocates from its cache, and its cumsum is one fast kernel against the blocks' ~15
+            else:  # few rows; or a GPU: it allocates from a cache, and its cumsum is one kernel against the blocks' ~15
                 cdf = Cdf(_scaled(scores, temperatures).softmax(-1))
             picked = cdf.invert(uniform[whole]).tolist()
             nucleus = [(j, top_p[i], draws[i]) for j, i in enumerate(whole) if top_p[i] is not None]
