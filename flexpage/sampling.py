@@ -112,7 +112,7 @@ class Cdf:
     def invert(self, uniform: Tensor, rows: list[int] | None = None) -> Tensor:
         """For each row (of ``rows``; default all), the first token whose cumulative weight exceeds
         its ``uniform`` number in [0, 1) times the row's total."""
-        cdf = self.cumulative if rows is None else self.cumulative[torch.tensor(rows, device=self.weights.device)]
+        cdf = self.cumulative if rows is None else _rows(self.cumulative, rows)
         return _search(cdf, uniform[:, None] * cdf[:, -1:])[:, 0]
 
 
@@ -137,8 +137,7 @@ class BlockedCdf:
         its ``uniform`` number in [0, 1) times the row's total."""
         weights, ends, starts = self.weights, self.ends, self.starts
         if rows is not None:
-            index = torch.tensor(rows, device=weights.device)
-            weights, ends, starts = weights[index], ends[index], starts[index]
+            weights, ends, starts = _rows(weights, rows), _rows(ends, rows), _rows(starts, rows)
         target = uniform[:, None] * ends[:, -1:]
         block = _search(ends, target)
         tokens = block * BLOCK + self.offsets
