@@ -8,6 +8,7 @@ from typing import Any, Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from . import memory
 from .pages import PackedPlan, PageTable, StepPlan, check_packed_layout
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -52,8 +53,9 @@ class PagedLayer(CacheLayerMixin):
     def __init__(self, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.device = device
-        self.keys = torch.zeros(1, num_kv_heads, num_slots, head_dim, dtype=dtype, device=device)
-        self.values = torch.zeros_like(self.keys)
+        shape = (1, num_kv_heads, num_slots, head_dim)
+        self.keys = memory.zeros(shape, dtype, device)  # on the CPU on huge pages: decode reads them scattered
+        self.values = memory.zeros(shape, dtype, device)
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

@@ -76,7 +76,9 @@ def test_prefix_benchmark_on_a_local_model_directory_and_its_notebook(tmp_path, 
 def test_attention_notebook_runs_the_quick_benchmark(tmp_path, monkeypatch):
     assert run_notebook("paged_attention", tmp_path, monkeypatch) == 1
     records = json.loads((tmp_path / "bench_attention.json").read_text())["records"]
-    assert {r["config"] for r in records} == {"paged", "mask_build", "sdpa_contiguous", "flex_contiguous"}
+    assert {r["config"] for r in records} == {"paged", "paged_small_pages", "mask_build", "sdpa_contiguous",
+                                              "flex_contiguous", "flex_contiguous_blocks"}
+    assert all(r["max_abs_err_vs_sdpa"] < 1e-4 for r in records if r["config"] == "paged")
     assert all(r["median_ms"] > 0 for r in records)
 
 

@@ -3,7 +3,11 @@
 For each batch size and live length L, one decode step's attention (small-Llama head shape:
 8 query heads, 2 KV heads, head_dim 64, page 16 unless --page-size) is timed over a 4k-token and a 64k-token
 pool, side by side with SDPA and compiled flex_attention on contiguous K/V of length L, plus
-the time to build the step's BlockMask. Writes CSV/JSON/PNG under --out.
+the time to build the step's BlockMask. The paged call is the one flexpage makes for a batch of
+one-token rows on this device (``rows_attention``: on CPU with each KV head's query heads along
+the query axis); ``flex_contiguous_blocks`` runs flex_attention in that same layout over
+contiguous K/V cut into KV blocks of the page size, so ``paged / flex_contiguous_blocks`` is what
+the paging itself costs. Writes CSV/JSON/PNG under --out.
 
     flexpage bench attention            # full grid (a few minutes on 2 cores)
     flexpage bench attention --quick    # two lengths, batch 1
@@ -18,20 +22,33 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import flex_attention
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from tqdm import tqdm
 
 import flexpage
+from flexpage.attention import query_group, rows_attention
+from flexpage.compile import compile_static
 from flexpage.bench.measure import (
     add_run_arguments, caption, finish_axes, interleaved, save_figure, machine_info, out_dir, write_records)
 
 HQ, HKV, HEAD_DIM, PAGE = 8, 2, 64, 16
 
 
-def decode_step(capacity: int, batch: int, length: int, seed: int = 0, page_size: int = PAGE):
-    """A cache of ``capacity`` tokens holding ``batch`` rows of ``length`` tokens, after planning one decode step."""
+@compile_static  # a graph per shape and mask, with no cap on their number (dynamo's is 8 a function)
+def contiguous_flex(query, key, value, block_mask=None, enable_gqa=False):
+    return flex_attention(query, key, value, block_mask=block_mask, enable_gqa=enable_gqa)
+
+
+def decode_step(capacity: int, batch: int, length: int, seed: int = 0, page_size: int = PAGE,
+                huge_pages: bool = True):
+    """A cache of ``capacity`` tokens holding ``batch`` rows of ``length`` tokens, after planning one
+    decode step; ``huge_pages=False`` puts its pools in ``torch.zeros`` memory (4 KB pages, unless
+    the system backs every large allocation with huge pages) instead of the cache's own."""
     cache = flexpage.PagedKVCache(num_layers=1, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=page_size,
                                   num_pages=capacity // page_size, max_batch_size=max(8, batch))
+    if not huge_pages:
+        for layer in cache.layers:
+            layer.keys, layer.values = torch.zeros_like(layer.keys), torch.zeros_like(layer.values)
     free = list(cache.page_table.free_pages)
     random.Random(seed).shuffle(free)  # a fragmented pool
     cache.page_table.free_pages = type(cache.page_table.free_pages)(free)
@@ -58,7 +75,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.lengths, args.batches, args.rounds, args.repeats = [128, 512], [1], 2, 5
 
-    contiguous_flex = torch.compile(flex_attention, dynamic=False)
     records = []
     grid = [(b, length) for b in args.batches for length in args.lengths]
     for batch, length in tqdm(grid, desc="decode attention"):
@@ -69,21 +85,31 @@ def main(argv: list[str] | None = None) -> None:
                 continue  # the pool cannot hold this batch
             cache, plan, k, v = decode_step(capacity, batch, length, page_size=args.page_size)
             kp, vp = cache.layers[0].keys, cache.layers[0].values
-            pt = cache.page_table
-            mask = flexpage.build_block_mask(pt, plan)
+            pt, group = cache.page_table, query_group(query, kp)
+            mask = flexpage.PagedBlockMask.for_step(pt, plan).with_window(None, group)
             ref = F.scaled_dot_product_attention(query, k, v, enable_gqa=True)
-            errors[capacity] = (flexpage.paged_attention(query, kp, vp, mask) - ref).abs().max().item()
-            cells[f"paged_{capacity}"] = lambda q=query, kp=kp, vp=vp, m=mask: flexpage.paged_attention(q, kp, vp, m)
-            cells[f"mask_build_{capacity}"] = lambda pt=pt, plan=plan: flexpage.build_block_mask(pt, plan)
+            paged = lambda q=query, kp=kp, vp=vp, m=mask: rows_attention(q, kp, vp, m, None, None, group)  # noqa: E731
+            errors[capacity] = (paged() - ref).abs().max().item()
+            cells[f"paged_{capacity}"] = paged
+            if capacity == max(args.capacities):  # the same step over pools on small pages
+                small = decode_step(capacity, batch, length, page_size=args.page_size, huge_pages=False)[0].layers[0]
+                cells[f"paged_small_pages_{capacity}"] = lambda q=query, kp=small.keys, vp=small.values, m=mask: (
+                    rows_attention(q, kp, vp, m, None, None, group))
+            cells[f"mask_build_{capacity}"] = lambda pt=pt, plan=plan: flexpage.PagedBlockMask.for_step(
+                pt, plan).with_window(None, group)
+        blocks = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx < length, None, None, group, length,
+                                   device="cpu", BLOCK_SIZE=(flexpage.masks.Q_BLOCK_SIZE, args.page_size))
+        grouped = query.view(batch, HKV, group, HEAD_DIM) if group > 1 else query
         cells["sdpa_contiguous"] = lambda: F.scaled_dot_product_attention(query, k, v, enable_gqa=True)
         cells["flex_contiguous"] = lambda: contiguous_flex(query, k, v, enable_gqa=True)
+        cells["flex_contiguous_blocks"] = lambda: contiguous_flex(grouped, k, v, block_mask=blocks, enable_gqa=group == 1)
         timings = interleaved(cells, rounds=args.rounds, repeats=args.repeats)
         for name, timing in timings.items():
             capacity = int(name.rsplit("_", 1)[1]) if name[-1].isdigit() else None
             records.append({
                 "batch": batch, "length": length, "config": name.rsplit("_", 1)[0] if capacity else name,
                 "capacity": capacity, "median_ms": round(timing.median_ms, 5), "remeasured": timing.remeasured,
-                "max_abs_err_vs_sdpa": errors.get(capacity) if name.startswith("paged") else None,
+                "max_abs_err_vs_sdpa": errors.get(capacity) if name == f"paged_{capacity}" else None,
             })
     meta = {"machine": machine_info(), "command": " ".join(sys.argv), "heads": [HQ, HKV], "head_dim": HEAD_DIM, "page_size": args.page_size,
             "rounds": args.rounds, "repeats": args.repeats, "dtype": "float32"}
@@ -113,9 +139,13 @@ def plot(records: list[dict], meta: dict, path: str) -> None:
     for ax, batch in zip(axes[0], batches):
         for capacity in capacities:
             ax.plot(*_series(records, batch, "paged", capacity), "o-", label=f"flexpage paged, {capacity // 1024}k pool")
+            ax.plot(*_series(records, batch, "paged_small_pages", capacity), "o:",
+                    label=f"flexpage paged, {capacity // 1024}k pool on 4 KB memory pages")
             ax.plot(*_series(records, batch, "mask_build", capacity), "x:", label=f"BlockMask build, {capacity // 1024}k pool")
         ax.plot(*_series(records, batch, "sdpa_contiguous"), "s--", label="SDPA, contiguous K/V")
         ax.plot(*_series(records, batch, "flex_contiguous"), "^--", label="flex_attention, contiguous K/V")
+        ax.plot(*_series(records, batch, "flex_contiguous_blocks"), "v:",
+                label=f"flex_attention, contiguous K/V, flexpage's layout, {meta['page_size']}-token blocks")
         ax.set_xscale("log", base=2)
         ax.minorticks_off()
         ax.set(xlabel="live length L (tokens)", ylabel="ms per decode step (one layer)",
@@ -127,16 +157,18 @@ def plot(records: list[dict], meta: dict, path: str) -> None:
 
 def print_summary(records: list[dict]) -> None:
     by_key = {(r["batch"], r["length"], r["config"], r["capacity"]): r["median_ms"] for r in records}
-    print(f"{'B':>2} {'L':>5} {'paged4k':>8} {'paged64k':>9} {'64k/4k':>7} {'flex':>7} {'paged/flex':>10} "
-          f"{'sdpa':>7} {'mask64k':>8}  (ms)")
+    print(f"{'B':>2} {'L':>5} {'paged4k':>8} {'paged64k':>9} {'64k/4k':>7} {'small/huge':>10} {'flex':>7} "
+          f"{'paged/flex':>10} {'blocks':>7} {'paged/blocks':>12} {'sdpa':>7} {'mask64k':>8}  (ms)")
     for batch, length in sorted({(r["batch"], r["length"]) for r in records}):
         p4, p64 = by_key.get((batch, length, "paged", 4096)), by_key.get((batch, length, "paged", 65536))
+        small = by_key.get((batch, length, "paged_small_pages", 65536))
         flex, sdpa = by_key[(batch, length, "flex_contiguous", None)], by_key[(batch, length, "sdpa_contiguous", None)]
+        blocks = by_key[(batch, length, "flex_contiguous_blocks", None)]
         mask = by_key.get((batch, length, "mask_build", 65536))
         fmt = lambda x: f"{x:.3f}" if x is not None else "-"  # noqa: E731
         ratio = lambda a, b: f"{a / b:.2f}" if a is not None and b else "-"  # noqa: E731
-        print(f"{batch:>2} {length:>5} {fmt(p4):>8} {fmt(p64):>9} {ratio(p64, p4):>7} {fmt(flex):>7} "
-              f"{ratio(p64 or p4, flex):>10} {fmt(sdpa):>7} {fmt(mask):>8}")
+        print(f"{batch:>2} {length:>5} {fmt(p4):>8} {fmt(p64):>9} {ratio(p64, p4):>7} {ratio(small, p64):>10} {fmt(flex):>7} "
+              f"{ratio(p64 or p4, flex):>10} {fmt(blocks):>7} {ratio(p64 or p4, blocks):>12} {fmt(sdpa):>7} {fmt(mask):>8}")
 
 
 if __name__ == "__main__":
