@@ -9,8 +9,9 @@ calls alternated, medians of their ratios, four runs at page sizes 16 and 64; ``
 attention`` shows both, ``small/huge``).
 
 Linux backs a mapping with huge pages when it is advised to (``MADV_HUGEPAGE``) and its
-transparent huge pages are ``madvise`` or ``always``; elsewhere (``never``, other systems,
-other devices, tensors under one huge page) this is ``torch.zeros``.
+transparent huge pages are ``madvise`` or ``always``; elsewhere (``never``, a kernel without
+them, other systems, other devices, tensors under one huge page) the memory is as
+``torch.zeros``'s.
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     storage = torch.frombuffer(mapping, dtype=torch.uint8).untyped_storage()  # it holds the mapping
     start = -storage.data_ptr() % HUGE_PAGE
-    mapping.madvise(_ADVICE, start, nbytes)
+    try:
+        mapping.madvise(_ADVICE, start, nbytes)
+    except OSError:  # a kernel built without transparent huge pages (EINVAL): small pages, as torch.zeros
+        pass
     # a tensor of its own over the storage, not a view of another: a compiled forward writes
     # into it in place (through a view, inductor copies the whole base back every step)
     return torch.empty(0, dtype=dtype).set_(storage, start // dtype.itemsize, shape).zero_()

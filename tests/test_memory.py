@@ -57,6 +57,15 @@ def test_the_mapping_lives_as_long_as_a_view_of_it():
     assert flags is None or "hg" not in flags  # unmapped (or the address reused by another mapping)
 
 
+@linux_only
+def test_advice_the_kernel_refuses_leaves_ordinary_zeroed_memory(monkeypatch):
+    monkeypatch.setattr(memory, "_ADVICE", 1 << 20)  # no such advice: madvise fails with EINVAL
+    pool = memory.zeros((1, 2, 8200, 64), torch.float32, "cpu")
+    assert torch.equal(pool, torch.zeros(pool.shape)) and "hg" not in _mapping_flags(pool.data_ptr())
+    pool[0, 1, 8199] = 1.0
+    assert pool.sum() == 64
+
+
 def test_small_tensors_and_other_devices_are_plain_zeros():
     small = memory.zeros((4, 64), torch.float16, "cpu")
     assert small.dtype == torch.float16 and torch.equal(small, torch.zeros(4, 64, dtype=torch.float16))
