@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> None:
             paged = lambda q=query, kp=kp, vp=vp, m=mask: rows_attention(q, kp, vp, m, None, None, group)  # noqa: E731
             errors[capacity] = (paged() - ref).abs().max().item()
             cells[f"paged_{capacity}"] = paged
-            if capacity == max(args.capacities):  # the same step over pools on small pages
+            if capacity == max(args.capacities):  # the same step over pools on small pages (the same
+                # seed lays its pages out as this cache's, so this step's mask fits it)
                 small = decode_step(capacity, batch, length, page_size=args.page_size, huge_pages=False)[0].layers[0]
                 cells[f"paged_small_pages_{capacity}"] = lambda q=query, kp=small.keys, vp=small.values, m=mask: (
                     rows_attention(q, kp, vp, m, None, None, group))
