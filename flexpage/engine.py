@@ -22,13 +22,13 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from .attention import sdpa_over_pages
-from .errors import InvalidRequestError, OutOfPagesError, StepFailedError
+from .errors import InvalidRequestError, OutOfPagesError, RequestFailedError, StepFailedError
 from .hf import wrap
 from .masks import PackedBlockMask
 from .pages import cdiv, host_tensor
 from .parallel import RankSync
-from .penalties import MAX_BIAS, MAX_PENALTY, adjust_logits
-from .sampling import Sampler, greedy_tokens
+from .penalties import MAX_BIAS, MAX_PENALTY, REPETITION_PENALTY_RANGE, adjust_logits
+from .sampling import MIN_TEMPERATURE, Sampler, greedy_tokens
 from .scheduler import Scheduler, Sequence
 
 # query block of prefill chunks where FlexAttention attends them (Triton's smallest tile); where SDPA
@@ -38,6 +38,7 @@ MIN_CHUNK_REGION = 64  # the smallest chunk-region bucket
 MAX_LOGPROBS = 20  # top alternatives a request may ask for (as OpenAI's API)
 HISTORY_STEPS = 10_000  # steps ``Engine.history`` keeps, the latest: a server steps for days
 REQUEST_RECORDS = 100_000  # outputs the per-request records keep, the latest (``Engine.reset_stats``)
+SEED_RANGE = (-(2**63), 2**63 - 1)  # int64, as vLLM's; a generator takes seed + sample number
 
 
 @dataclass(frozen=True)
@@ -47,14 +48,14 @@ class SamplingParams:
 
     max_new_tokens: int = 16
     do_sample: bool = False
-    temperature: float = 1.0
+    temperature: float = 1.0  # sampled rows: below MIN_TEMPERATURE (0.01) it is raised to that, as in vLLM
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
     eos_token_id: int | Seq[int] | None = None  # None: the model's generation_config.eos_token_id
     num_return_sequences: int = 1  # samples of the prompt; they share its pages (copy-on-write)
     logprobs: int | None = None  # report each token's log-probability and this many top alternatives (0-20)
-    repetition_penalty: float = 1.0  # > 0; 1: none
+    repetition_penalty: float = 1.0  # in [0.01, 100]; 1: none
     presence_penalty: float = 0.0  # in [-2, 2]
     frequency_penalty: float = 0.0  # in [-2, 2]
     logit_bias: Mapping[int, float] | None = None  # token id -> bias in [-100, 100]
@@ -65,16 +66,21 @@ class SamplingParams:
             raise InvalidRequestError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
         if not isinstance(self.num_return_sequences, int) or self.num_return_sequences < 1:
             raise InvalidRequestError(f"num_return_sequences must be a positive int, got {self.num_return_sequences!r}")
-        if self.temperature <= 0:
-            raise InvalidRequestError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.temperature < float("inf"):
+            raise InvalidRequestError(f"temperature must be finite and > 0 (sampling raises it to at least "
+                                      f"{MIN_TEMPERATURE}), got {self.temperature}")
+        if self.seed is not None and not (isinstance(self.seed, int) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            raise InvalidRequestError(f"seed must be an int in the int64 range [{SEED_RANGE[0]}, {SEED_RANGE[1]}], "
+                                      f"got {self.seed!r}")
         if self.top_k is not None and self.top_k < 1:
             raise InvalidRequestError(f"top_k must be >= 1, got {self.top_k}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidRequestError(f"logprobs must be an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        if not self.repetition_penalty > 0:
-            raise InvalidRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise InvalidRequestError(f"repetition_penalty must be in [{low:g}, {high:g}], got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
                 raise InvalidRequestError(
@@ -204,6 +210,20 @@ class Engine:
         pt = self.cache.page_table
         return min(pt.num_pages, pt.max_pages_per_seq) * pt.page_size
 
+    @property
+    def has_work(self) -> bool:
+        """Whether any request is queued or running."""
+        return self.scheduler.has_work
+
+    @property
+    def preemptions(self) -> int:
+        """Sequences preempted so far (pages freed, recomputed later)."""
+        return self.scheduler.preemptions
+
+    def queue(self) -> tuple[list[int], list[int]]:
+        """Output indices of the sequences running now and of those waiting (new or preempted)."""
+        return [s.index for s in self.scheduler.running], [s.index for s in self.scheduler.waiting]
+
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: Seq[int] | str, params: SamplingParams | None = None) -> int:
         """Queue one request and return its index; raises ``InvalidRequestError`` (and queues
@@ -280,17 +300,24 @@ class Engine:
         their pages are freed at once. Returns the indices that were still queued or running."""
         if self.ranks is not None and self.ranks.leader:
             self.ranks.send(("abort", list(indices)))
+        return self._drop(indices)
+
+    def _drop(self, indices: Collection[int]) -> list[int]:
+        """Remove outputs from the scheduler (pages freed) and forget their sampling settings."""
         dropped = self.scheduler.abort(lambda seq: seq.index in indices)
         for index in indices:
             self._sampling.pop(index, None)
         return dropped
 
     def run(self) -> Iterator[tuple[int, int]]:
-        """Step until every queued request has finished, yielding ``(request index, token)``."""
+        """Step until every queued request has finished, yielding ``(request index, token)``;
+        raises ``RequestFailedError`` after a step in which a request failed (the others stay queued)."""
         start = time.perf_counter()
         try:
             while self.scheduler.has_work:
                 yield from self.step()
+                if self.failed:
+                    raise RequestFailedError("; ".join(f"request {i}: {why}" for i, why in self.failed.items()))
         finally:
             self._seconds += time.perf_counter() - start
 
@@ -325,8 +352,11 @@ class Engine:
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
     def step(self) -> list[tuple[int, int]]:
-        """Run one ragged step; return the ``(request index, token)`` pairs it produced."""
+        """Run one ragged step; return the ``(request index, token)`` pairs it produced. Requests
+        that failed after the forward are in ``failed`` (index -> reason) until the next step,
+        already aborted."""
         step_start = time.perf_counter()
+        self.failed = {}
         if self.ranks is not None:
             if self._closed:
                 raise RuntimeError("this tensor-parallel engine was closed: its other ranks no longer follow")
@@ -371,9 +401,10 @@ class Engine:
             self.scheduler.register_pages(seq)
         produced = []
         picks = list(self._with_forks(sampled))  # each sequence with its row of the logits
-        tokens = self._next_tokens(logits, picks)
-        self.step_logprobs = self._logprobs(logits, picks, tokens)
+        tokens, self.step_logprobs, self.failed = self._pick(logits, picks)
         for (seq, _), token in zip(picks, tokens):
+            if token is None:  # failed: dropped below
+                continue
             seq.append(token)
             if len(seq.tokens) == seq.prompt_len + 1:  # its first token
                 self.first_token_seconds[seq.index] = time.perf_counter() - seq.arrival
@@ -384,6 +415,8 @@ class Engine:
                 self.scheduler.finish(seq)
                 del self._sampling[seq.index]
                 self._finished += 1
+        if self.failed:  # every rank fails the same rows (same logits, same seeds): no broadcast
+            self._drop(self.failed)
         self._record(batch, decode_len, chunk_len, len(produced))
         self._host_seconds += time.perf_counter() - step_start - model_seconds
         return produced
@@ -491,7 +524,33 @@ class Engine:
                 seq.forks = 0
             yield seq, row
 
-    def _next_tokens(self, logits: torch.Tensor, picks: list[tuple[Sequence, int]]) -> list[int]:
+    def _pick(self, logits: torch.Tensor, picks: list[tuple[Sequence, int]]
+              ) -> tuple[list[int | None], dict[int, TokenLogprobs], dict[int, str]]:
+        """Each pick's next token (None if its request failed), the logprobs asked for, and why
+        each failed request failed. A row with nothing to sample from fails alone; if the step's
+        penalties, sampling or logprobs raise, the picks are taken again one at a time, so only
+        the requests that raise alone fail."""
+        try:
+            tokens = self._next_tokens(logits, picks)
+            logprobs = self._logprobs(logits, picks, tokens)
+        except Exception:  # noqa: BLE001 - the culprit is found below, one request at a time
+            tokens, logprobs, failed = [], {}, {}
+            for pick in picks:
+                try:
+                    (token,) = self._next_tokens(logits, [pick])
+                    logprobs |= self._logprobs(logits, [pick], [token])
+                except Exception as error:  # noqa: BLE001 - reported to this request alone
+                    token, failed[pick[0].index] = None, f"{type(error).__name__}: {error}"
+                tokens.append(token)
+        else:
+            failed = {}
+        for (seq, _), token in zip(picks, tokens):
+            if token is None and seq.index not in failed:
+                failed[seq.index] = ("nothing could be sampled from the request's logits: NaN or infinite after "
+                                     "its penalties and temperature")
+        return tokens, logprobs, failed
+
+    def _next_tokens(self, logits: torch.Tensor, picks: list[tuple[Sequence, int]]) -> list[int | None]:
         """Each sequence's next token from its row of ``logits`` (after the penalties and bias its
         request asks for): greedy ones by one argmax over the step, sampled ones by one draw over
         the step (``Sampler``), each from its request's generator."""
@@ -519,7 +578,7 @@ class Engine:
         """The log-probabilities the step's requests asked for (``SamplingParams.logprobs``), by
         sequence index: one log-softmax and one top-k over all of their rows."""
         asked = [(seq.index, row, token, top) for (seq, row), token in zip(picks, tokens)
-                 if (top := self._sampling[seq.index][0].logprobs) is not None]
+                 if token is not None and (top := self._sampling[seq.index][0].logprobs) is not None]
         if not asked:
             return {}
         device = logits.device
@@ -599,6 +658,7 @@ class Engine:
         self.cached_prompt_tokens: dict[int, int] = _Latest(REQUEST_RECORDS)
         self.finish_reasons: dict[int, str] = _Latest(REQUEST_RECORDS)
         self.step_logprobs: dict[int, TokenLogprobs] = {}  # the last step's tokens, for requests asking logprobs
+        self.failed: dict[int, str] = {}  # requests that failed in the last step (aborted): index -> why
         self.history: deque[StepRecord] = deque(maxlen=HISTORY_STEPS)
 
     def _record(self, batch, decode_len: int, chunk_len: int, produced: int) -> None:

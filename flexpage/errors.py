@@ -30,3 +30,10 @@ class StepFailedError(FlexpageError, RuntimeError):
     def __init__(self, requests: list[int], cause: BaseException) -> None:
         super().__init__(f"step failed for requests {requests}: {type(cause).__name__}: {cause}")
         self.requests = requests
+
+
+class RequestFailedError(FlexpageError, RuntimeError):
+    """One request failed after its step's forward (nothing could be sampled from its logits, or
+    its penalties, sampling or logprobs raised). It was aborted and its pages freed; the step's
+    other requests got their tokens. ``Engine.stream`` / ``generate`` raise it for their requests;
+    a server answers that request alone with an error."""

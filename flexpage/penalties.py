@@ -25,6 +25,8 @@ from .pages import host_tensor
 
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| at most (OpenAI's range)
 MAX_BIAS = 100.0  # |logit_bias| values at most (OpenAI's range)
+# repetition_penalty within these: a factor of 100 either way still leaves every logit finite in float32
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 class Penalties(Protocol):

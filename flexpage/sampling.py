@@ -11,6 +11,10 @@ distribution exactly, and one lands in it with probability at least p); after
 inverts the CDF at a uniform number from the request's own generator (over the whole vocabulary,
 by blocks: ``BlockedCdf``). On our CPU, for 32,000 logits, a sort takes 1.8-2.5 ms a row and
 ``torch.multinomial`` 0.9 ms (it draws one exponential number per vocabulary entry).
+
+Sampling is total: temperatures below ``MIN_TEMPERATURE`` are raised to it (as vLLM does), and a
+row with nothing to draw from (NaN or infinite logits) yields ``None``, never a token outside the
+vocabulary and never an error for the other rows.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ FIRST_WIDTH = 256  # where top_p_filtered looks for its threshold first (a radix
 RADIX_DIGITS = ((20, 11), (9, 11), (0, 9))  # (shift, bits) of each pass over a float's 31 non-sign bits
 BLOCK = 256  # tokens per block of a BlockedCdf
 MANY_ROWS = 16  # from this many whole-vocabulary rows the CPU's Sampler uses its scratch and a BlockedCdf
+MIN_TEMPERATURE = 0.01  # lower temperatures are raised to this (below it logits / t overflow float32)
 
 
 def greedy_tokens(logits: Tensor) -> list[int]:
@@ -53,38 +58,41 @@ class Sampler:
         self._scratch: Tensor | None = None
 
     def __call__(self, logits: Tensor, temperature: Sequence[float], top_k: Sequence[int | None],
-                 top_p: Sequence[float | None], generators: Sequence[torch.Generator | None]) -> list[int]:
+                 top_p: Sequence[float | None], generators: Sequence[torch.Generator | None]) -> list[int | None]:
         """One token per row of ``logits`` ``[rows, vocab]``, drawn from the row's distribution after
-        its ``temperature``, ``top_k`` and ``top_p`` (None: not applied) with its generator (None:
-        torch's global one)."""
+        its ``temperature`` (at least ``MIN_TEMPERATURE``), ``top_k`` and ``top_p`` (None: not
+        applied) with its generator (None: torch's global one); None for a row whose logits give no
+        distribution (NaN, +inf, or every logit -inf)."""
         rows, vocab = logits.shape
+        temperature = [max(t, MIN_TEMPERATURE) for t in temperature]
         top_k = [k if k is not None and k < vocab else None for k in top_k]  # keeping every token is no top-k
         top_p = [p if p is not None and p < 1 else None for p in top_p]  # the warper skips a top-p of 1
         # a top-p row over the whole vocabulary may draw again: its uniforms are drawn up front too
         draws = [torch.rand(1 + NUCLEUS_TRIES * (top_k[i] is None and top_p[i] is not None), generator=g,
                             device=logits.device) for i, g in enumerate(generators)]
         uniform = torch.cat([d[:1] for d in draws])
-        tokens = [0] * rows
+        tokens: list[int | None] = [0] * rows
         cut = [i for i in range(rows) if top_k[i] is not None]
         whole = [i for i in range(rows) if top_k[i] is None]
         if cut:  # the k largest logits hold everything the row keeps
             ids, probs = kept_candidates(_rows(logits, cut), [temperature[i] for i in cut],
                                          [top_k[i] for i in cut], [top_p[i] for i in cut])
-            picked = ids.gather(1, _draw(probs, uniform[cut])[:, None])
-            for i, token in zip(cut, picked[:, 0].tolist()):
-                tokens[i] = token
+            cdf = Cdf(probs)
+            picked = ids.gather(1, cdf.invert(uniform[cut])[:, None])
+            for i, token, valid in zip(cut, picked[:, 0].tolist(), cdf.valid()):
+                tokens[i] = token if valid else None
         if whole:  # over the whole vocabulary, in its own order
             scores, temperatures = _rows(logits, whole), [temperature[i] for i in whole]
             if logits.device.type == "cpu" and len(whole) >= MANY_ROWS:
                 cdf = BlockedCdf(self._probs(scores, temperatures))
             else:  # few rows; or a GPU: it allocates from a cache, and its cumsum is one kernel against the blocks' ~15
                 cdf = Cdf(_scaled(scores, temperatures).softmax(-1))
-            picked = cdf.invert(uniform[whole]).tolist()
-            nucleus = [(j, top_p[i], draws[i]) for j, i in enumerate(whole) if top_p[i] is not None]
+            picked, valid = cdf.invert(uniform[whole]).tolist(), cdf.valid()
+            nucleus = [(j, top_p[i], draws[i]) for j, i in enumerate(whole) if top_p[i] is not None and valid[j]]
             if nucleus:
                 _into_nucleus(cdf, picked, nucleus)
-            for i, token in zip(whole, picked):
-                tokens[i] = token
+            for i, token, ok in zip(whole, picked, valid):
+                tokens[i] = token if ok else None
         return tokens
 
     def _probs(self, logits: Tensor, temperature: Sequence[float]) -> Tensor:
@@ -98,7 +106,7 @@ class Sampler:
 
 
 def sample_tokens(logits: Tensor, temperature: Sequence[float], top_k: Sequence[int | None],
-                  top_p: Sequence[float | None], generators: Sequence[torch.Generator | None]) -> list[int]:
+                  top_p: Sequence[float | None], generators: Sequence[torch.Generator | None]) -> list[int | None]:
     """``Sampler()(...)`` for a one-off draw (its scratch goes with it)."""
     return Sampler()(logits, temperature, top_k, top_p, generators)
 
@@ -114,6 +122,10 @@ class Cdf:
         its ``uniform`` number in [0, 1) times the row's total."""
         cdf = self.cumulative if rows is None else _rows(self.cumulative, rows)
         return _search(cdf, uniform[:, None] * cdf[:, -1:])[:, 0]
+
+    def valid(self) -> list[bool]:
+        """Whether each row has a distribution to draw from (a finite, positive total)."""
+        return _positive(self.cumulative[:, -1])
 
 
 class BlockedCdf:
@@ -146,7 +158,17 @@ class BlockedCdf:
             inside = weights.gather(1, tokens.clamp_max(vocab - 1)).masked_fill_(tokens >= vocab, 0.0)
         else:
             inside = weights.gather(1, tokens)
-        return (block * BLOCK + _search(inside.cumsum(-1), target - starts.gather(1, block)))[:, 0]
+        token = block * BLOCK + _search(inside.cumsum(-1), target - starts.gather(1, block))
+        return token[:, 0].clamp_(max=vocab - 1)  # a NaN row may search past the last, shorter block
+
+    def valid(self) -> list[bool]:
+        """Whether each row has a distribution to draw from (a finite, positive total)."""
+        return _positive(self.ends[:, -1])
+
+
+def _positive(totals: Tensor) -> list[bool]:
+    """Which rows' total weights are finite and positive (a NaN or infinite logit makes them NaN)."""
+    return (totals.isfinite() & (totals > 0)).tolist()
 
 
 def _into_nucleus(cdf: Cdf | BlockedCdf, picked: list[int], rows: list[tuple[int, float, Tensor]]) -> None:
@@ -285,5 +307,6 @@ def _draw(weights: Tensor, uniform: Tensor) -> Tensor:
 def _search(cdf: Tensor, target: Tensor) -> Tensor:
     """Each row's first index (``[rows, 1]``) whose cumulative weight ``cdf`` exceeds ``target``
     ``[rows, 1]``, never past the entry that completes the sum (a target at the total, rounded up
-    there, must not land on a weight of 0)."""
-    return torch.minimum(torch.searchsorted(cdf, target, right=True), torch.searchsorted(cdf, cdf[:, -1:].contiguous()))
+    there, must not land on a weight of 0), and within the row even where its weights are NaN."""
+    found = torch.minimum(torch.searchsorted(cdf, target, right=True), torch.searchsorted(cdf, cdf[:, -1:].contiguous()))
+    return found.clamp_(max=cdf.shape[1] - 1)

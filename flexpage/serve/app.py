@@ -3,18 +3,30 @@
 Handlers turn a request into token-id prompts and ``SamplingParams``, submit them to the engine
 thread (``EngineRunner``), and turn its token events into text: incremental detokenisation, stop
 strings (never sent, not even partly while streaming), logprobs, usage and finish reasons.
+
+The event loop never waits on work that grows with a request: bodies are read up to a size
+limit, parsed, tokenised (chat templates too) and rendered as JSON on worker threads; each token's
+detokenisation looks at a window of a few tokens, and stop strings are matched once per
+character. Every error a client sees is an OpenAI error body.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import logging
+import math
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from ..engine import Engine, SamplingParams, TokenLogprobs
 from ..errors import InvalidRequestError
@@ -23,17 +35,75 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, ErrorBody, Erro
                        SamplingRequest, Usage, new_id, now)
 from .runner import EngineFailedError, EngineRunner, Output, QueueFullError
 
+logger = logging.getLogger("flexpage.serve")
+
+MAX_REQUEST_BYTES = 1 << 20  # default request-body limit (413 above it)
+MAX_ERROR_CHARS = 1000  # an error message's length at most
+RETRY_AFTER_SECONDS = 1  # a 429's Retry-After
+PENDING_TOKENS = 8  # tokens held back at most for an incomplete character (one takes at most 4 bytes)
+MIN_LOGPROB = -9999.0  # a log-probability of -inf (or NaN) is reported as this: JSON has no infinities (vLLM's)
+HTTP_WORKERS = 2  # threads that parse, tokenise and render for the event loop
+T = TypeVar("T", bound=BaseModel)
+
 
 class APIError(Exception):
     """An error answered as OpenAI's error JSON with ``status``."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, type: str | None = None, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.body = status, ErrorBody(message=message, type=type, param=param, code=code)
+        type = type or ("invalid_request_error" if status < 500 else "server_error")
+        self.status, self.headers = status, headers
+        self.body = ErrorBody(message=message[:MAX_ERROR_CHARS], type=type, param=param, code=code)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(ErrorResponse(error=self.body).model_dump(), status_code=self.status)
+        return JSONResponse(ErrorResponse(error=self.body).model_dump(), status_code=self.status, headers=self.headers)
+
+
+class StopStrings:
+    """Finds the first stop string in a text that grows: one Knuth-Morris-Pratt matcher per
+    string, so each character is looked at once however long the text and the strings are; the
+    longest end of the text that may still begin a stop string is known at every point."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.fallbacks = [_prefix_function(s) for s in stops]
+        self.matched = [0] * len(stops)  # characters of each string matched by the text's end
+        self.length = 0  # characters fed so far
+
+    def feed(self, text: str) -> int | None:
+        """Add ``text`` to the end; where the first stop string to be completed starts in the whole
+        text (the earliest of those completed by the same character), or None."""
+        for char in text:
+            starts = []
+            for k, (stop, fallback) in enumerate(zip(self.stops, self.fallbacks)):
+                j = self.matched[k]
+                while j and stop[j] != char:
+                    j = fallback[j - 1]
+                j += stop[j] == char
+                if j == len(stop):
+                    starts.append(self.length + 1 - j)
+                self.matched[k] = j
+            self.length += 1
+            if starts:
+                return min(starts)
+        return None
+
+    @property
+    def partial(self) -> int:
+        """The longest end of the text that is a proper beginning of a stop string."""
+        return max(self.matched, default=0)
+
+
+def _prefix_function(text: str) -> list[int]:
+    """For each prefix of ``text``, the length of its longest proper prefix that is also its suffix."""
+    table = [0] * len(text)
+    for i in range(1, len(text)):
+        j = table[i - 1]
+        while j and text[i] != text[j]:
+            j = table[j - 1]
+        table[i] = j + (text[i] == text[j])
+    return table
 
 
 class Choice:
@@ -44,7 +114,7 @@ class Choice:
     """
 
     def __init__(self, tokenizer: Any, stops: list[str]) -> None:
-        self.tokenizer, self.stops = tokenizer, stops
+        self.tokenizer, self.stops = tokenizer, StopStrings(stops)
         self.tokens: list[int] = []
         self.logprobs: list[tuple[int, TokenLogprobs]] = []
         self.text, self.sent, self.finish_reason = "", 0, None
@@ -54,20 +124,22 @@ class Choice:
         self.tokens.append(output.token)
         if output.logprobs is not None:
             self.logprobs.append((output.token, output.logprobs))
-        searched = max(0, len(self.text) - max((len(s) for s in self.stops), default=0) + 1)
-        self.text += self._new_text(final=output.finish_reason is not None)
-        hits = [i for i in (self.text.find(s, searched) for s in self.stops) if i >= 0]
-        if hits:
-            self.text, self.finish_reason = self.text[: min(hits)], "stop"
+        new = self._new_text(final=output.finish_reason is not None)
+        start = self.stops.feed(new)
+        self.text += new
+        if start is not None:
+            self.text, self.finish_reason = self.text[:start], "stop"
         elif output.finish_reason is not None:
             self.finish_reason = output.finish_reason
 
     def _new_text(self, final: bool) -> str:
-        """The text the tokens since ``_read`` add, once it ends in a complete character (or ``final``)."""
+        """The text the tokens since ``_read`` add, once it ends in a complete character (or
+        ``final``, or ``PENDING_TOKENS`` tokens still make none: they stay replacement characters)."""
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         before = decode(self.tokens[self._prefix : self._read])
         after = decode(self.tokens[self._prefix :])
-        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+        incomplete = after.endswith("\ufffd") and not final and len(self.tokens) - self._read < PENDING_TOKENS
+        if len(after) <= len(before) or incomplete:
             return ""  # nothing new yet, or a multi-byte character still incomplete
         self._prefix, self._read = max(0, len(self.tokens) - 4), len(self.tokens)
         return after[len(before) :]
@@ -75,9 +147,7 @@ class Choice:
     def delta(self) -> str:
         """Text not sent yet that no later token can change: a possible start of a stop string is
         held back until the output ends."""
-        end = len(self.text)
-        if self.finish_reason is None:
-            end -= max((n for s in self.stops for n in range(1, len(s)) if self.text.endswith(s[:n])), default=0)
+        end = len(self.text) - (0 if self.finish_reason is not None else self.stops.partial)
         out, self.sent = self.text[self.sent : end], max(self.sent, end)
         return out
 
@@ -88,17 +158,50 @@ class Choice:
 
 
 class Server:
-    """The state behind one app: the engine thread, the tokenizer, the served model's name."""
+    """The state behind one app: the engine thread, the tokenizer, the served model's name, and
+    the worker threads that keep parsing, tokenising and rendering off the event loop."""
 
-    def __init__(self, engine: Engine, tokenizer: Any, model_name: str, max_waiting: int) -> None:
+    def __init__(self, engine: Engine, tokenizer: Any, model_name: str, max_waiting: int,
+                 max_request_bytes: int = MAX_REQUEST_BYTES) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.max_request_bytes = max_request_bytes
         self.metrics = Metrics(model_name)
         self.runner = EngineRunner(engine, self.metrics, max_waiting)
+        self.workers = ThreadPoolExecutor(HTTP_WORKERS, thread_name_prefix="flexpage-http-work")
+
+    async def off_loop(self, work: Callable[..., Any], *args: Any) -> Any:
+        """``work(*args)`` on a worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.workers, work, *args)
+
+    async def parse(self, request: Request, model: type[T]) -> T:
+        """The request's JSON body as ``model``: 413 past the size limit, 400 naming what is wrong."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_request_bytes:
+            raise self.too_large()
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_request_bytes:
+                raise self.too_large()
+        try:
+            return await self.off_loop(model.model_validate_json, bytes(body))
+        except ValidationError as error:
+            raise validation_error(error.errors(include_url=False, include_input=False)) from None
+
+    def too_large(self) -> APIError:
+        return APIError(413, f"the request body exceeds {self.max_request_bytes} bytes (the server's "
+                             f"--max-request-bytes)", code="request_too_large")
 
     def check_model(self, body: SamplingRequest) -> None:
         if body.model is not None and body.model != self.model_name:
-            raise APIError(400, f"model {body.model!r} is not served here; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+            raise APIError(400, f"model {body.model[:100]!r} is not served here; this server serves "
+                                f"{self.model_name!r}", param="model", code="model_not_found")
+
+    def check_prompts(self, count: int) -> None:
+        """A call's prompts must fit the waiting room at once, or it could never be admitted."""
+        if count > self.runner.max_waiting:
+            raise APIError(400, f"{count} prompts in one call: this server holds at most {self.runner.max_waiting} "
+                                f"waiting requests (--max-waiting)", param="prompt", code="too_many_prompts")
 
     def params(self, body: SamplingRequest, prompt_len: int, max_tokens: int | None, logprobs: int | None
                ) -> SamplingParams:
@@ -120,22 +223,25 @@ class Server:
             frequency_penalty=body.frequency_penalty, logit_bias=body.logit_bias, min_new_tokens=body.min_tokens,
         )
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return list(self.tokenizer(prompt)["input_ids"])
-        return list(prompt)
+    def encode(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        """Token ids of each prompt (a worker thread's job: tokenising may take long)."""
+        return [list(self._tokenized(p)) if isinstance(p, str) else list(p) for p in prompts]
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """The chat template applied to ``messages``, as token ids (a worker thread's job)."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(self._tokenized(text, add_special_tokens=False))
+
+    def _tokenized(self, text: str, **options: Any) -> list[int]:
+        try:
+            return self.tokenizer(text, **options)["input_ids"]
+        except (TypeError, ValueError) as error:  # the tokenizer refuses the text (e.g. a lone surrogate)
+            raise APIError(400, f"the text could not be tokenised: {error}", param="prompt") from None
 
     async def submit(self, prompts: list[list[int]], params: list[SamplingParams], stops: list[str]) -> Call:
-        """Submit every prompt or none: a rejected one cancels those already queued."""
+        """Submit every prompt or none."""
         events: asyncio.Queue = asyncio.Queue()
-        requests = []
-        try:
-            for i, (prompt, p) in enumerate(zip(prompts, params)):
-                requests.append(await self.runner.submit(prompt, p, events, offset=i * p.num_return_sequences))
-        except BaseException:
-            for request in requests:
-                self.runner.abort(request)
-            raise
+        requests = await self.runner.submit(prompts, params, events)
         choices = [Choice(self.tokenizer, stops) for r in requests for _ in range(r.n)]
         return Call(requests, events, choices)
 
@@ -147,15 +253,15 @@ class Server:
             while any(c.finish_reason is None for c in call.choices):
                 output: Output = await call.events.get()
                 if output.error is not None:
-                    raise APIError(500, output.error, type="server_error", code="engine_step_failed")
+                    raise APIError(output.status, output.error, code=output.code)
                 choice = call.choices[output.choice]
                 if choice.finish_reason is not None:
-                    continue  # a token produced before the engine saw this choice's stop-string abort
+                    continue  # a token produced before the engine saw this choice's stop-string end
                 choice.add(output)
                 call.cached_tokens += output.cached_tokens
                 if choice.finish_reason == "stop" and output.finish_reason is None:
                     request = owner[output.choice]  # a stop string: the engine need not go on
-                    self.runner.abort_sample(request, output.choice - request.offset)
+                    self.runner.end_sample(request, output.choice - request.offset, "stop")
                 yield output.choice
         finally:
             for request in call.requests:
@@ -165,6 +271,11 @@ class Server:
         async with aclosing(self.events(call)) as events:
             async for _ in events:
                 pass
+
+    async def render(self, build: Callable[[], dict]) -> Response:
+        """A JSON response built and serialised on a worker thread (a long output with logprobs
+        is megabytes of JSON)."""
+        return Response(await self.off_loop(lambda: json.dumps(build())), media_type="application/json")
 
 
 class Call:
@@ -182,6 +293,11 @@ class Call:
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens)).model_dump()
 
 
+def reported(logprob: float) -> float:
+    """A log-probability as JSON can carry it."""
+    return logprob if math.isfinite(logprob) else MIN_LOGPROB
+
+
 def completion_logprobs(choice: Choice, start: int, offset: int) -> dict | None:
     """OpenAI's legacy completions ``logprobs`` for the choice's tokens from ``start`` on."""
     if not choice.logprobs:
@@ -191,8 +307,8 @@ def completion_logprobs(choice: Choice, start: int, offset: int) -> dict | None:
     for text in tokens:
         offsets.append(position)
         position += len(text)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for _, lp in choice.logprobs[start:]],
-            "top_logprobs": [{choice.token_text(t): v for t, v in lp.top} for _, lp in choice.logprobs[start:]],
+    return {"tokens": tokens, "token_logprobs": [reported(lp.logprob) for _, lp in choice.logprobs[start:]],
+            "top_logprobs": [{choice.token_text(t): reported(v) for t, v in lp.top} for _, lp in choice.logprobs[start:]],
             "text_offset": offsets}
 
 
@@ -203,10 +319,25 @@ def chat_logprobs(choice: Choice, start: int) -> dict | None:
 
     def entry(token: int, logprob: float) -> dict:
         text = choice.token_text(token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": reported(logprob), "bytes": list(text.encode())}
 
     return {"content": [entry(t, lp.logprob) | {"top_logprobs": [entry(i, v) for i, v in lp.top]}
                         for t, lp in choice.logprobs[start:]]}
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """A 400 naming the first wrong field, with a bounded message."""
+    def where(loc: tuple) -> str:  # the field path, without pydantic's union-branch tags ("str", "list[int]")
+        parts = []
+        for part in loc:
+            if isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict", "list") or "[" in part):
+                break
+            parts.append(str(part))
+        return ".".join(parts)
+
+    seen = dict.fromkeys(f"{where(e.get('loc', ())) or 'body'}: {str(e.get('msg'))[:200]}" for e in errors)
+    return APIError(400, "; ".join(list(seen)[:3]) or "invalid request",
+                    param=where(errors[0].get("loc", ())) or None if errors else None)
 
 
 def sse(data: dict | str) -> str:
@@ -231,12 +362,34 @@ async def unless_disconnected(request: Request, work) -> Any:
     return task.result()
 
 
+class RequireAPIKey:
+    """ASGI middleware: ``/v1/*`` needs ``Authorization: Bearer KEY`` (401 otherwise);
+    ``/health`` and ``/metrics`` stay open, as in vLLM."""
+
+    def __init__(self, app: Any, key: str) -> None:
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path == "/v1" or path.startswith("/v1/")):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                                 code="invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(engine: Engine, tokenizer: Any, model_name: str, max_waiting: int = 256,
-              engine_thread: bool = True) -> FastAPI:
+              engine_thread: bool = True, max_request_bytes: int | None = None, api_key: str | None = None,
+              allowed_origins: list[str] | None = None) -> FastAPI:
     """A FastAPI app serving ``engine``. With ``engine_thread`` the engine steps on a thread of its
     own that starts and stops with the app; without, the caller steps it on a thread it chooses
-    with ``app.state.server.runner.run()``, which returns when the app stops."""
-    server = Server(engine, tokenizer, model_name, max_waiting)
+    with ``app.state.server.runner.run()``, which returns when the app stops. ``api_key``: the
+    Bearer token ``/v1/*`` requires; ``allowed_origins``: origins CORS lets call (none by default);
+    ``max_request_bytes``: the largest body accepted (default ``MAX_REQUEST_BYTES``)."""
+    server = Server(engine, tokenizer, model_name, max_waiting, max_request_bytes or MAX_REQUEST_BYTES)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -244,21 +397,27 @@ def build_app(engine: Engine, tokenizer: Any, model_name: str, max_waiting: int 
             server.runner.start()
         yield
         server.runner.stop()
+        server.workers.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="flexpage", lifespan=lifespan)
     app.state.server = server
+    if api_key:
+        app.add_middleware(RequireAPIKey, key=api_key)
+    if allowed_origins:  # outermost, so preflights need no key
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"])
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> JSONResponse:
         return error.response()
 
+    @app.exception_handler(HTTPException)  # unknown routes, wrong methods, unparsable bodies
+    async def http_error(_: Request, error: HTTPException) -> JSONResponse:
+        return APIError(error.status_code, str(error.detail), headers=error.headers).response()
+
     @app.exception_handler(RequestValidationError)
     async def bad_request(_: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0] if error.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}"
-                            for e in error.errors())
-        return APIError(400, message or "invalid request", param=where).response()
+        return validation_error([e | {"loc": tuple(e.get("loc", ()))[1:]} for e in error.errors()]).response()
 
     @app.exception_handler(InvalidRequestError)
     async def invalid(_: Request, error: InvalidRequestError) -> JSONResponse:
@@ -266,11 +425,18 @@ def build_app(engine: Engine, tokenizer: Any, model_name: str, max_waiting: int 
 
     @app.exception_handler(QueueFullError)
     async def busy(_: Request, error: QueueFullError) -> JSONResponse:
-        return APIError(429, f"server busy: {error}", type="rate_limit_error", code="queue_full").response()
+        return APIError(429, f"server busy: {error}", type="rate_limit_error", code="queue_full",
+                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)}).response()
 
     @app.exception_handler(EngineFailedError)
     async def failed(_: Request, error: EngineFailedError) -> JSONResponse:
-        return APIError(503, f"engine unavailable: {error}", type="server_error").response()
+        return APIError(503, f"engine unavailable: {error}", code="engine_unavailable").response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception) -> JSONResponse:
+        reference = new_id("error")
+        logger.error("%s: %s %s failed", reference, request.method, request.url.path, exc_info=error)
+        return APIError(500, f"internal server error ({reference})").response()
 
     @app.get("/health")
     async def health() -> Response:
@@ -286,9 +452,11 @@ def build_app(engine: Engine, tokenizer: Any, model_name: str, max_waiting: int 
                                             "owned_by": "flexpage", "max_model_len": engine.max_seq_len}]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(request: Request):
+        body = await server.parse(request, CompletionRequest)
         server.check_model(body)
-        prompts = [server.encode(p) for p in body.prompts()]
+        server.check_prompts(len(body.prompts()))
+        prompts = await server.off_loop(server.encode, body.prompts())
         params = [server.params(body, len(p), body.max_tokens, body.logprobs) for p in prompts]
         call = await server.submit(prompts, params, body.stop_strings())
         head = {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": model_name}
@@ -303,14 +471,15 @@ def build_app(engine: Engine, tokenizer: Any, model_name: str, max_waiting: int 
             return StreamingResponse(stream(server, call, head, body.include_usage, [], choice),
                                      media_type="text/event-stream")
         await unless_disconnected(request, server.run(call))
-        return head | {"choices": [choice(i, c.delta()) for i, c in enumerate(call.choices)], "usage": call.usage()}
+        return await server.render(lambda: head | {"choices": [choice(i, c.delta()) for i, c in enumerate(call.choices)],
+                                                   "usage": call.usage()})
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def chat_completions(request: Request):
+        body = await server.parse(request, ChatCompletionRequest)
         server.check_model(body)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        prompt = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        prompt = await server.off_loop(server.chat_prompt, messages)
         top = (body.top_logprobs or 0) if body.logprobs else None
         call = await server.submit([prompt], [server.params(body, len(prompt), body.token_limit, top)],
                                    body.stop_strings())
@@ -328,9 +497,9 @@ def build_app(engine: Engine, tokenizer: Any, model_name: str, max_waiting: int 
             return StreamingResponse(stream(server, call, head | {"object": "chat.completion.chunk"},
                                             body.include_usage, roles, delta), media_type="text/event-stream")
         await unless_disconnected(request, server.run(call))
-        return head | {"object": "chat.completion", "usage": call.usage(), "choices": [
+        return await server.render(lambda: head | {"object": "chat.completion", "usage": call.usage(), "choices": [
             {"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": chat_logprobs(c, 0),
-             "finish_reason": c.finish_reason} for i, c in enumerate(call.choices)]}
+             "finish_reason": c.finish_reason} for i, c in enumerate(call.choices)]})
 
     return app
 
@@ -338,7 +507,7 @@ def build_app(engine: Engine, tokenizer: Any, model_name: str, max_waiting: int 
 async def stream(server: Server, call: Call, head: dict, include_usage: bool, first: list[dict],
                  choice: Callable[[int, str], dict]) -> AsyncIterator[str]:
     """Server-sent events: ``first`` choices, then a chunk per choice whenever it has new text or
-    ends, an error event if a step fails, the usage chunk if asked, and ``[DONE]``."""
+    ends, an error event if the request fails, the usage chunk if asked, and ``[DONE]``."""
     chunk = head | ({"usage": None} if include_usage else {})
     for entry in first:
         yield sse(chunk | {"choices": [entry]})
@@ -350,6 +519,10 @@ async def stream(server: Server, call: Call, head: dict, include_usage: bool, fi
                     yield sse(chunk | {"choices": [choice(i, text)]})
     except APIError as error:
         yield sse(ErrorResponse(error=error.body).model_dump())
+    except Exception as error:  # noqa: BLE001 - the status line is sent: an error event is all that is left
+        reference = new_id("error")
+        logger.error("%s: a stream failed", reference, exc_info=error)
+        yield sse(ErrorResponse(error=APIError(500, f"internal server error ({reference})").body).model_dump())
     else:
         if include_usage:
             yield sse(head | {"choices": [], "usage": call.usage()})

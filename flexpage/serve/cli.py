@@ -41,7 +41,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-cached-tokens", type=int, default=32768, help="KV-cache pool size in tokens")
     parser.add_argument("--max-batch-size", type=int, default=32, help="sequences running at once")
     parser.add_argument("--max-tokens-per-step", type=int, default=512, help="tokens fed per step")
-    parser.add_argument("--max-waiting", type=int, default=256, help="queued requests before answering 429")
+    parser.add_argument("--max-waiting", type=int, default=256,
+                        help="requests waiting to be admitted before answering 429 (a call with more prompts: 400)")
+    parser.add_argument("--max-request-bytes", type=int,
+                        help="largest request body accepted, 413 above it (default: 1 MiB)")
+    parser.add_argument("--api-key", default=os.environ.get("FLEXPAGE_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $FLEXPAGE_API_KEY; "
+                             "/health and /metrics stay open)")
+    parser.add_argument("--allowed-origins", nargs="*", default=[],
+                        help="origins allowed to call from a browser (CORS; default: none)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds SIGTERM waits for running requests before aborting them")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=None,
                         help="keep oneDNN-packed copies of the CPU weights: faster batched decode, 2x weight memory "
@@ -70,8 +80,10 @@ def main(argv: list[str] | None = None) -> None:
         engine.follow()  # until rank 0's server stops
         return
     app = build_app(engine, zoo.load_tokenizer(args.model), args.served_model_name or args.model, args.max_waiting,
-                    engine_thread=False)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+                    engine_thread=False, max_request_bytes=args.max_request_bytes, api_key=args.api_key,
+                    allowed_origins=args.allowed_origins)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                                           timeout_graceful_shutdown=args.shutdown_timeout))
     if not serve(server, app.state.server.runner):
         sys.exit(1)
 
@@ -79,7 +91,10 @@ def main(argv: list[str] | None = None) -> None:
 def serve(server: uvicorn.Server, runner: EngineRunner) -> bool:
     """Run ``server`` (HTTP) on a helper thread and step the engine here, on the main thread that
     built the model and warmed the engine up (see ``runner.py`` on CPU threads); SIGINT / SIGTERM
-    stop both gracefully (a second one forces HTTP's exit). Returns whether the server started."""
+    stop both gracefully (running requests get the server's graceful-shutdown timeout, then are
+    aborted and their pages freed; a second signal forces HTTP's exit). If the engine fails, HTTP
+    stops too (every request already answered 503). Returns whether the server started and its
+    engine never failed."""
 
     def handle_exit(*_) -> None:
         server.force_exit = server.should_exit
@@ -95,9 +110,11 @@ def serve(server: uvicorn.Server, runner: EngineRunner) -> bool:
     try:
         thread = threading.Thread(target=http, name="flexpage-http")
         thread.start()
-        runner.run()  # returns when HTTP stops, or when the engine fails (HTTP then answers 503 until stopped)
+        runner.run()  # returns when HTTP stops, or when the engine fails
+        if runner.failure is not None:  # a supervisor restarts a process that exits non-zero
+            server.should_exit = True
         thread.join()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return server.started
+    return server.started and runner.failure is None

@@ -2,6 +2,8 @@
 
 Unknown request fields are tolerated (clients send many); known ones are checked here, and what
 only the engine can judge (prompt length, token ids) is checked when the request is submitted.
+Known fields the server cannot honour (tools, images, structured output, echo, ...) are refused
+with a 400 naming the field, never silently dropped.
 """
 
 from __future__ import annotations
@@ -10,11 +12,13 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..penalties import MAX_BIAS, MAX_PENALTY
+from ..engine import SEED_RANGE
+from ..penalties import MAX_BIAS, MAX_PENALTY, REPETITION_PENALTY_RANGE
 
 MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 512  # characters per stop string
 
 
 class OpenAIModel(BaseModel):
@@ -33,13 +37,14 @@ class SamplingRequest(OpenAIModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int | None = None  # -1 or None: off (vLLM's convention)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     n: int = Field(default=1, ge=1)
     stop: str | list[str] | None = None
     ignore_eos: bool = False
     presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)  # vLLM's extension
+    repetition_penalty: float = Field(default=1.0, ge=REPETITION_PENALTY_RANGE[0],
+                                      le=REPETITION_PENALTY_RANGE[1])  # vLLM's extension
     min_tokens: int = Field(default=0, ge=0)  # vLLM's extension: no stop token before this many
     logit_bias: dict[int, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] | None = None  # token id -> bias
     stream: bool = False
@@ -50,12 +55,18 @@ class SamplingRequest(OpenAIModel):
     def _check(self) -> SamplingRequest:
         if self.top_k is not None and self.top_k != -1 and self.top_k < 1:
             raise ValueError("top_k must be -1 (off) or >= 1")
-        stops = self.stop_strings()
-        if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
-            raise ValueError(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         return self
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings of at most "
+                             f"{MAX_STOP_CHARS} characters")
+        return stop
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -95,11 +106,30 @@ class CompletionRequest(SamplingRequest):
 class ChatMessage(OpenAIModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
+    tool_calls: list | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, content: str | list[dict] | None) -> str | list[dict] | None:
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if part.get("type") != "text":
+                raise ValueError(f"content part {j} has type {str(part.get('type'))[:40]!r}: only text parts are "
+                                 f"supported (no images, audio or files)")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"content part {j} of type 'text' needs a string 'text'")
+        return content
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, calls: list | None) -> list | None:
+        if calls:
+            raise ValueError("tool calls are not supported")
+        return calls
 
     def text(self) -> str:
-        """The message's text (content parts of type "text" joined)."""
+        """The message's text (its text parts joined)."""
         if isinstance(self.content, list):
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+            return "".join(part["text"] for part in self.content)
         return self.content or ""
 
 
@@ -109,13 +139,36 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, tools: list | None) -> list | None:
+        if tools:
+            raise ValueError("tools and functions are not supported (no tool calling)")
+        return tools
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, choice: str | dict | None) -> str | dict | None:
+        if choice not in (None, "none"):
+            raise ValueError("only 'none' is supported (no tool calling)")
+        return choice
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format(cls, response_format: dict | None) -> dict | None:
+        if response_format and response_format.get("type", "text") != "text":
+            raise ValueError("only type 'text' is supported (no structured output: json_object, json_schema)")
+        return response_format
 
     @model_validator(mode="after")
-    def _check(self) -> ChatCompletionRequest:
+    def _check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than text is not supported (no constrained decoding)")
         return self
 
     @property

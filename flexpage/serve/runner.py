@@ -1,19 +1,23 @@
 """The engine thread: one thread owns the Engine and steps it; HTTP handlers talk to it through queues.
 
-Handlers ``submit`` a request and read its ``Output`` events from an asyncio queue; each step's
-tokens are put on their requests' queues (thread-safely, on the event loop) as soon as the step
-ends. Nothing on the event loop ever blocks on the engine.
+Handlers ``submit`` a call's requests and read their ``Output`` events from an asyncio queue; each
+step's tokens are put on their requests' queues (thread-safely, on the event loop) as soon as the
+step ends. Nothing on the event loop ever blocks on the engine, and nothing a request carries can
+stop the thread: a failed step fails its requests, a request whose sampling fails fails alone.
+If the thread stops anyway (a bug), the traceback is logged and every queued, submitted and
+running request is answered at once (503); ``flexpage serve`` then exits non-zero.
 
 On CPU the engine is best stepped on the thread that did the process's other torch work (built
 the model, warmed the engine up): OpenMP keeps a worker team per thread that computes, and once
 two teams exist on a few cores its workers stop spinning between parallel regions, so every
-op waits for a woken worker (a decode step of the benchmark model took 1.4x as long on a second
-thread). ``flexpage serve`` therefore runs the engine on its main thread and HTTP on another.
+op waits for a woken worker. ``flexpage serve`` therefore runs the engine on its main thread and
+HTTP on another.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -23,22 +27,25 @@ from ..engine import Engine, SamplingParams, TokenLogprobs
 from ..errors import InvalidRequestError, StepFailedError
 from .metrics import Metrics
 
+logger = logging.getLogger("flexpage.serve")
 
 KEEPALIVE_SECONDS = 30.0  # under tensor parallelism, the longest the other ranks wait for a step
+# a request's finish reason, from its samples' (the first listed wins)
+REASON_ORDER = ("error", "abort", "length", "stop")
 
 
 class QueueFullError(Exception):
-    """The waiting queue holds ``max_waiting`` requests already (HTTP 429)."""
+    """The waiting room cannot take the call's requests now (HTTP 429: retry later)."""
 
 
 class EngineFailedError(Exception):
-    """The engine thread stopped on an unexpected error; the server can no longer serve."""
+    """The engine thread is not running (it failed, or the server is shutting down): HTTP 503."""
 
 
 @dataclass
 class Output:
     """One event of a request: a token of one of its outputs (``choice``: the request's ``offset``
-    plus its sample number), the output's end, or an error."""
+    plus its sample number), the output's end, or an error (with its HTTP ``status``)."""
 
     choice: int
     token: int | None = None
@@ -46,27 +53,33 @@ class Output:
     finish_reason: str | None = None  # "stop" (a stop token) or "length"; None while running
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (with sample 0's first token)
     error: str | None = None
+    status: int = 500
+    code: str | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     """A submitted request as the handler sees it: its engine indices and its event queue."""
 
     prompt_len: int
     n: int
-    events: asyncio.Queue  # may be shared by the requests of one HTTP call
+    events: asyncio.Queue  # shared by the requests of one HTTP call
     offset: int = 0  # choice number of sample 0 within the HTTP call
     first: int = -1  # engine output index of sample 0
     arrival: float = field(default_factory=time.perf_counter)
+    reasons: set[str] = field(default_factory=set)  # how its ended samples ended
+    live: int = 0  # samples not ended yet
 
 
 class EngineRunner:
-    """Owns ``engine`` on a daemon thread; ``max_waiting`` bounds the queue of not-yet-running requests."""
+    """Owns ``engine`` on a thread; ``max_waiting`` bounds the requests waiting to be admitted."""
 
     def __init__(self, engine: Engine, metrics: Metrics, max_waiting: int = 256) -> None:
         self.engine, self.metrics, self.max_waiting = engine, metrics, max_waiting
         self.failure: str | None = None
         self._inbox: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()  # a submit enters the inbox only while the thread will answer it
+        self._closed: str | None = None  # why submits are refused (failure or shutdown)
         self._owners: dict[int, tuple[Request, asyncio.AbstractEventLoop]] = {}
         self._last_token: dict[int, float] = {}
         self._stopping = threading.Event()
@@ -79,7 +92,8 @@ class EngineRunner:
         self._thread.start()
 
     def run(self) -> None:
-        """Step the engine on the calling thread until ``stop()``; requests submitted earlier wait."""
+        """Step the engine on the calling thread until ``stop()`` or a failure; then answer every
+        request still queued or running (503) and free its pages."""
         try:
             self._loop()
         finally:
@@ -94,49 +108,81 @@ class EngineRunner:
 
     @property
     def healthy(self) -> bool:
-        return self.failure is None and not self._stopped
+        return self.failure is None and not self._stopped and not self._stopping.is_set()
 
-    async def submit(self, prompt: list[int], params: SamplingParams, events: asyncio.Queue,
-                     offset: int = 0) -> Request:
-        """Queue a request on the engine thread; raises ``InvalidRequestError``, ``QueueFullError``
-        or ``EngineFailedError`` (and queues nothing) when it cannot be served."""
-        if not self.healthy:
-            raise EngineFailedError(self.failure or "the engine thread is not running")
+    @property
+    def in_flight(self) -> int:
+        """Outputs submitted and not ended yet."""
+        return len(self._owners)
+
+    async def submit(self, prompts: list[list[int]], params: list[SamplingParams],
+                     events: asyncio.Queue) -> list[Request]:
+        """Queue a call's requests on the engine thread, all or none; raises ``InvalidRequestError``
+        (400), ``QueueFullError`` (429) or ``EngineFailedError`` (503) when they cannot be served."""
         loop = asyncio.get_running_loop()
-        request = Request(len(prompt), params.num_return_sequences, events, offset)
+        requests, offset = [], 0
+        for prompt, p in zip(prompts, params):
+            requests.append(Request(len(prompt), p.num_return_sequences, events, offset))
+            offset += p.num_return_sequences
         accepted = loop.create_future()
-        self._inbox.put(("submit", request, prompt, params, loop, accepted))
+        with self._lock:
+            if self._closed is not None:
+                raise EngineFailedError(self._closed)
+            self._inbox.put(("submit", requests, prompts, params, loop, accepted))
         try:
             await accepted
-        except asyncio.CancelledError:  # the client left while queued: cancel it (after the submit, in order)
-            self.abort(request)
+        except asyncio.CancelledError:  # the client left while queued: cancel them (after the submit, in order)
+            for request in requests:
+                self.abort(request)
             raise
-        return request
+        return requests
 
     def abort(self, request: Request) -> None:
-        """Cancel a request (a client gone, a stop string seen): its pages are freed on the engine thread."""
-        self._inbox.put(("abort", request))
+        """Cancel a request (its client went away, or its call ended): pages freed on the engine thread."""
+        self._inbox.put(("abort", request, "abort"))
 
-    def abort_sample(self, request: Request, sample: int) -> None:
-        """Cancel one output of a request (its stop string was seen); the others go on."""
-        self._inbox.put(("abort_sample", request, sample))
+    def end_sample(self, request: Request, sample: int, reason: str) -> None:
+        """End one output of a request early (``reason``: "stop" for a stop string); the others go on."""
+        self._inbox.put(("end_sample", request, sample, reason))
 
     # ------------------------------------------------------------------ engine thread
     def _loop(self) -> None:
         try:
             last_step = time.monotonic()
             while not self._stopping.is_set():
-                self._drain(block=not self.engine.scheduler.has_work)
+                self._drain(block=not self.engine.has_work)
                 idle_ranks = self.engine.ranks is not None and time.monotonic() - last_step > KEEPALIVE_SECONDS
-                if self.engine.scheduler.has_work or idle_ranks:  # an idle step keeps followers' collectives alive
+                if self.engine.has_work or idle_ranks:  # an idle step keeps followers' collectives alive
                     self._step()
                     last_step = time.monotonic()
-            self.engine.close()  # tensor-parallel followers stop with us
-        except Exception as error:  # a bug, not a failed step: fail everyone, report unhealthy
+        except Exception as error:  # a bug, not a request's doing: answer everyone, report unhealthy
+            logger.exception("the engine thread failed; every request is answered 503 and the server stops")
             self.failure = f"{type(error).__name__}: {error}"
-            for index, owner in list(self._owners.items()):
-                self._send(index, owner, error=self.failure)
-            self._owners.clear()
+            self._close(f"the engine failed: {self.failure}", "engine_failed", free=False)
+            return
+        self._close("the server is shutting down", "shutting_down", free=True)
+        self.engine.close()  # tensor-parallel followers stop with us
+
+    def _close(self, message: str, code: str, free: bool) -> None:
+        """Refuse new submits, answer queued submits and every request in flight with 503, and (if
+        the engine still works) abort the latter so their pages are freed."""
+        with self._lock:
+            self._closed = message
+        while True:
+            try:
+                entry = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if entry is not None and entry[0] == "submit":
+                loop, accepted = entry[4], entry[5]
+                loop.call_soon_threadsafe(_settle, accepted, EngineFailedError(message))
+        indices = list(self._owners)
+        if free and indices:
+            self.engine.abort(indices)
+        for index in indices:
+            self._send(index, error=message, status=503, code=code)
+            self._end(index, "error" if code == "engine_failed" else "abort")
+        self._report()
 
     def _drain(self, block: bool) -> None:
         try:
@@ -150,57 +196,70 @@ class EngineRunner:
             except queue.Empty:
                 return
 
-    def _on_submit(self, request: Request, prompt, params, loop, accepted) -> None:
-        def reply(result: BaseException | None) -> None:
-            if not accepted.done():
-                if result is None:
-                    accepted.set_result(None)
-                else:
-                    accepted.set_exception(result)
+    def _waiting_requests(self) -> int:
+        running, waiting = self.engine.queue()
+        started = {id(self._owners[i][0]) for i in running if i in self._owners}
+        return len({id(self._owners[i][0]) for i in waiting if i in self._owners} - started)
 
-        if len(self.engine.scheduler.waiting) >= self.max_waiting:
-            loop.call_soon_threadsafe(reply, QueueFullError(f"{self.max_waiting} requests are already waiting"))
+    def _on_submit(self, requests: list[Request], prompts, params, loop, accepted) -> None:
+        waiting = self._waiting_requests()
+        if waiting + len(requests) > self.max_waiting:
+            loop.call_soon_threadsafe(_settle, accepted, QueueFullError(
+                f"{waiting} of {self.max_waiting} waiting places are taken; this call needs {len(requests)}"))
             return
+        added = []
         try:
-            request.first = self.engine.add_request(prompt, params)
+            for request, prompt, p in zip(requests, prompts, params):
+                request.first = self.engine.add_request(prompt, p)
+                added.append(request)
         except InvalidRequestError as error:
-            loop.call_soon_threadsafe(reply, error)
+            if added:  # all or none
+                self.engine.abort([r.first + j for r in added for j in range(r.n)])
+            loop.call_soon_threadsafe(_settle, accepted, error)
             return
-        for j in range(request.n):
-            self._owners[request.first + j] = (request, loop)
-        self.metrics.request_received(len(prompt))
-        loop.call_soon_threadsafe(reply, None)
+        for request, prompt in zip(requests, prompts):
+            request.live = request.n
+            for j in range(request.n):
+                self._owners[request.first + j] = (request, loop)
+            self.metrics.request_received(len(prompt))
+        self._report()
+        loop.call_soon_threadsafe(_settle, accepted, None)
 
-    def _on_abort(self, request: Request) -> None:
-        self._drop(range(request.first, request.first + request.n))
+    def _on_abort(self, request: Request, reason: str) -> None:
+        self._drop(range(request.first, request.first + request.n), reason)
 
-    def _on_abort_sample(self, request: Request, sample: int) -> None:
-        self._drop([request.first + sample])
+    def _on_end_sample(self, request: Request, sample: int, reason: str) -> None:
+        self._drop([request.first + sample], reason)
 
-    def _drop(self, indices) -> None:
+    def _drop(self, indices, reason: str) -> None:
         indices = [i for i in indices if i in self._owners]
+        if not indices:
+            return
         self.engine.abort(indices)
         for index in indices:
-            self._forget(index)
+            self._end(index, reason)
         self._report()
 
-    def _forget(self, index: int) -> None:
-        self._owners.pop(index, None)
+    def _end(self, index: int, reason: str) -> None:
+        """Forget an ended output; the request is counted as finished once its last output ends."""
+        request = self._owners.pop(index)[0]
         self._last_token.pop(index, None)
         for record in (self.engine.first_token_seconds, self.engine.cached_prompt_tokens, self.engine.finish_reasons):
             record.pop(index, None)
+        request.reasons.add(reason)
+        request.live -= 1
+        if request.live == 0:
+            finished = next(r for r in REASON_ORDER if r in request.reasons)
+            self.metrics.request_finished(finished, time.perf_counter() - request.arrival)
 
     def _step(self) -> None:
         engine = self.engine
-        preemptions = engine.scheduler.preemptions
+        preemptions = engine.preemptions
         try:
             produced = engine.step()
         except StepFailedError as error:  # fail the step's requests, free their pages, serve the others
-            message = f"the step serving this request failed: {error.__cause__!r}"
-            owners = {index: self._owners[index] for index in error.requests if index in self._owners}
-            self._drop(error.requests)  # pages freed before anyone hears of the failure
-            for index, owner in owners.items():
-                self._send(index, owner, error=message)
+            self._fail(error.requests, f"the step serving this request failed: {error.__cause__!r}",
+                       "engine_step_failed")
             return
         now = time.perf_counter()
         for index, token in produced:
@@ -213,18 +272,41 @@ class EngineRunner:
             self._last_token[index] = now
             cached = engine.cached_prompt_tokens.get(index, 0) if first and index == request.first else 0
             self.metrics.prefix_hits(cached)  # the prompt's cache hits, once per request (with sample 0)
-            self._send(index, self._owners[index], token=token, logprobs=engine.step_logprobs.get(index),
-                       finish_reason=reason, cached_tokens=cached)
+            self._send(index, token=token, logprobs=engine.step_logprobs.get(index), finish_reason=reason,
+                       cached_tokens=cached)
             if reason is not None:
-                self.metrics.request_finished(reason, now - request.arrival)
-                self._forget(index)
-        self._report(engine.scheduler.preemptions - preemptions)
+                self._end(index, reason)
+        for index, why in engine.failed.items():  # already aborted by the engine
+            self._fail([index], f"this request failed: {why}", "request_failed")
+        self._report(engine.preemptions - preemptions)
+
+    def _fail(self, indices: list[int], message: str, code: str) -> None:
+        """Answer the outputs' requests with a 500 error, after their pages were freed."""
+        indices = [i for i in indices if i in self._owners]
+        self.engine.abort(indices)  # a no-op for those the engine dropped already
+        for index in indices:
+            self._send(index, error=message, status=500, code=code)
+            self._end(index, "error")
+        self._report()
 
     def _report(self, preemptions: int = 0) -> None:
-        stats, scheduler = self.engine.cache.stats(), self.engine.scheduler
-        self.metrics.step(len(scheduler.running), len(scheduler.waiting), stats.pages_used / stats.pages_total,
-                          preemptions)
+        """Gauges in requests: running when one of its outputs runs, else waiting."""
+        running, waiting = self.engine.queue()
+        active = {id(self._owners[i][0]) for i in running if i in self._owners}
+        queued = {id(self._owners[i][0]) for i in waiting if i in self._owners} - active
+        stats = self.engine.cache.stats()
+        self.metrics.step(len(active), len(queued), stats.pages_used / stats.pages_total, preemptions)
 
-    def _send(self, index: int, owner: tuple[Request, asyncio.AbstractEventLoop], **fields) -> None:
-        request, loop = owner
+    def _send(self, index: int, **fields) -> None:
+        request, loop = self._owners[index]
         loop.call_soon_threadsafe(request.events.put_nowait, Output(request.offset + index - request.first, **fields))
+
+
+def _settle(future: asyncio.Future, result: BaseException | None) -> None:
+    """Resolve a submit's future on its event loop (unless its client already left)."""
+    if future.done():
+        return
+    if result is None:
+        future.set_result(None)
+    else:
+        future.set_exception(result)
