@@ -4,7 +4,8 @@ from . import masks
 from .attention import fresh_prefill_attention, packed_attention, paged_attention, sequence_attention
 from .cache import CacheStats, PagedKVCache
 from .engine import Engine, EngineStats, SamplingParams, TokenLogprobs
-from .errors import FlexpageError, InvalidRequestError, OutOfPagesError, StepFailedError, UnsupportedModelError
+from .errors import (FlexpageError, InvalidRequestError, OutOfPagesError, RequestFailedError, StepFailedError,
+                     UnsupportedModelError)
 from .hf import unwrap, wrap
 from .masks import PackedBlockMask, PagedBlockMask, SequenceKV, build_block_mask, paged_mask_mod, paged_score_mod
 from .pages import PackedPlan, PageTable, StepPlan
@@ -21,6 +22,7 @@ __all__ = [
     "PageTable",
     "PagedBlockMask",
     "PagedKVCache",
+    "RequestFailedError",
     "SamplingParams",
     "SequenceKV",
     "StepFailedError",

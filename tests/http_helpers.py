@@ -1,12 +1,21 @@
-"""Loopback HTTP helpers shared by the server tests (stdlib only)."""
+"""Loopback HTTP helpers shared by the server tests."""
 
 import http.client
+import json
+import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 from contextlib import contextmanager
 
+import uvicorn
+
 from flexpage.bench.measure import stop_process
+
+# the Engine options of tests/test_engine.py: the same compiled step shapes
+ENGINE_OPTIONS = dict(page_size=16, max_cached_tokens=2048, max_batch_size=8, max_tokens_per_step=128)
 
 
 def free_socket() -> socket.socket:
@@ -16,16 +25,42 @@ def free_socket() -> socket.socket:
     return sock
 
 
-def fetch(base: str, method: str, path: str, body: bytes | None = None) -> tuple[int, str]:
+def fetch(base: str, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
+          timeout: float = 60) -> tuple[int, str]:
     """One plain HTTP request: status and body text."""
+    status, _, text = fetch_response(base, method, path, body, headers, timeout)
+    return status, text
+
+
+def fetch_response(base: str, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
+                   timeout: float = 60) -> tuple[int, dict, str]:
+    """One plain HTTP request: status, headers (lower-case names) and body text."""
     host, port = base.removeprefix("http://").split(":")
-    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    connection = http.client.HTTPConnection(host, int(port), timeout=timeout)
     try:
-        connection.request(method, path, body=body, headers={"content-type": "application/json"})
+        connection.request(method, path, body=body, headers={"content-type": "application/json", **(headers or {})})
         response = connection.getresponse()
-        return response.status, response.read().decode()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read().decode()
     finally:
         connection.close()
+
+
+@contextmanager
+def app_on_loopback(app):
+    """Serve ``app`` with uvicorn on a helper thread, on a free port of 127.0.0.1; yield its base
+    URL; stop it (bounded)."""
+    sock = free_socket()
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started or not thread.is_alive(), 60)
+        assert server.started, "server did not start"
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
 
 
 def wait_until(condition, seconds: float = 30) -> None:
@@ -59,3 +94,39 @@ def running_server(command: list[str], env: dict | None = None, seconds: float =
         yield base
     finally:
         stop_process(server, 60)
+
+
+PROBE = """
+import http.client, json, signal, sys, time
+host, port = sys.argv[1], int(sys.argv[2])
+latencies, deadline = [], time.monotonic() + 600
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+try:
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        start = time.perf_counter()
+        connection = http.client.HTTPConnection(host, port, timeout=10)
+        connection.request("GET", "/health")
+        status = connection.getresponse().status
+        latencies.append(time.perf_counter() - start if status == 200 else float("inf"))
+        connection.close()
+finally:
+    print(json.dumps(latencies), flush=True)
+"""
+
+
+@contextmanager
+def health_probe(base: str):
+    """Time /health every 20 ms from another process (its own interpreter: only the server's
+    threads share the server's) while the block runs; yields the list its latencies land in
+    (seconds; inf for an answer other than 200) once the block ends."""
+    host, port = base.removeprefix("http://").split(":")
+    probe = subprocess.Popen([sys.executable, "-c", PROBE, host, port], stdout=subprocess.PIPE, text=True)
+    latencies: list[float] = []
+    try:
+        time.sleep(0.3)  # the probe's interpreter starts
+        yield latencies
+    finally:
+        probe.send_signal(signal.SIGTERM)
+        out, _ = probe.communicate(timeout=30)
+        latencies.extend(json.loads(out or "[]"))

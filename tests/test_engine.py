@@ -338,7 +338,12 @@ def test_bad_requests_are_rejected_alone(expected):
         ([-1, 5], None, "outside the vocabulary"),
         ([5, 6], flexpage.SamplingParams(max_new_tokens=-1), "max_new_tokens"),
         ("a string", None, "tokenizer"),
-        ([5, 6], flexpage.SamplingParams(repetition_penalty=0.0), "repetition_penalty must be > 0"),
+        ([5, 6], flexpage.SamplingParams(repetition_penalty=0.0), r"repetition_penalty must be in \[0.01, 100\]"),
+        ([5, 6], flexpage.SamplingParams(repetition_penalty=1e300), "repetition_penalty must be in"),
+        ([5, 6], flexpage.SamplingParams(do_sample=True, seed=2**63), "seed must be an int in the int64 range"),
+        ([5, 6], flexpage.SamplingParams(do_sample=True, seed=-(2**63) - 1), "seed must be"),
+        ([5, 6], flexpage.SamplingParams(do_sample=True, temperature=float("nan")), "temperature must be finite"),
+        ([5, 6], flexpage.SamplingParams(do_sample=True, temperature=float("inf")), "temperature must be finite"),
         ([5, 6], flexpage.SamplingParams(frequency_penalty=2.5), "frequency_penalty must be in"),
         ([5, 6], flexpage.SamplingParams(logit_bias={VOCAB: 1.0}), "logit_bias token ids"),
         ([5, 6], flexpage.SamplingParams(logit_bias={5: -101.0}), "logit_bias values"),
@@ -387,3 +392,32 @@ def test_a_failed_step_gives_its_slots_back_and_serving_resumes(expected, monkey
     for i, token in engine.run():
         outputs[i].append(token)
     assert [outputs[i] for i in range(3)] == expected[:3]
+
+
+def test_a_request_with_no_distribution_to_sample_fails_alone(expected, monkeypatch):
+    """Logits that turn NaN after one request's adjustments (as an underflowing penalty once did)
+    fail that request alone: ``run()`` raises ``RequestFailedError`` naming it, its pages are
+    freed, and the other requests of the step go on to stock's tokens."""
+    adjust = engine_module.adjust_logits
+
+    def overflowing(logits, tokens, prompt_lens, params, stop_tokens):
+        adjust(logits, tokens, prompt_lens, params, stop_tokens)
+        for row, p in enumerate(params):
+            if p.presence_penalty == 1.5:
+                logits[row] = float("nan")
+
+    monkeypatch.setattr(engine_module, "adjust_logits", overflowing)
+    engine = make_engine()
+    prompts = workload()
+    greedy = [engine.add_request(prompts[i], flexpage.SamplingParams(max_new_tokens=NEW_TOKENS[i])) for i in (0, 1)]
+    poisoned = engine.add_request(prompts[2], flexpage.SamplingParams(max_new_tokens=8, do_sample=True, seed=3,
+                                                                      presence_penalty=1.5))
+    outputs: dict[int, list[int]] = {i: [] for i in greedy + [poisoned]}
+    with pytest.raises(flexpage.RequestFailedError, match=f"request {poisoned}: nothing could be sampled"):
+        for i, token in engine.run():
+            outputs[i].append(token)
+    assert list(engine.failed) == [poisoned]
+    for i, token in engine.run():  # the others were left queued
+        outputs[i].append(token)
+    assert [outputs[i] for i in greedy] == expected[:2] and outputs[poisoned] == []
+    assert not engine.has_work and engine.cache.stats().pages_used == 0

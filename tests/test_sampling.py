@@ -188,3 +188,23 @@ def test_a_sampler_reused_over_steps_draws_as_a_fresh_one_and_leaves_the_logits_
         got = sampler(logits, *settings, [torch.Generator().manual_seed(r) for r in range(rows)])
         assert got == sample_tokens(logits, *settings, [torch.Generator().manual_seed(r) for r in range(rows)])
         assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize("rows, vocab", [(5, 1000), (20, 1000), (20, 4096)])  # one CDF; blocked CDFs
+def test_rows_with_no_distribution_draw_none_and_leave_the_others_alone(rows, vocab):
+    """NaN, +inf and all -inf rows yield None (never a token outside the vocabulary, never an
+    error); every other row draws what it draws without them, and a temperature below the floor
+    draws as the floor does."""
+    torch.manual_seed(rows + vocab)
+    logits = torch.randn(rows, vocab)
+    broken = logits.clone()
+    broken[1, 5], broken[2, 7], broken[3] = float("nan"), float("inf"), float("-inf")
+    for top_k, top_p in [(None, None), (5, None), (None, 0.9), (50, 0.8)]:
+        def draw(scores, temperature):
+            generators = [torch.Generator().manual_seed(i) for i in range(rows)]
+            return sample_tokens(scores, [temperature] * rows, [top_k] * rows, [top_p] * rows, generators)
+
+        clean, got = draw(logits, 0.7), draw(broken, 0.7)
+        assert got[1:4] == [None] * 3
+        assert got[:1] + got[4:] == clean[:1] + clean[4:] and all(0 <= t < vocab for t in clean)
+        assert draw(logits, 1e-300) == draw(logits, sampling.MIN_TEMPERATURE)

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,7 +23,7 @@ import flexpage
 from flexpage import zoo
 from flexpage.serve import build_app
 from flexpage.serve.cli import serve
-from http_helpers import fetch, free_socket, running_server, wait_until
+from http_helpers import ENGINE_OPTIONS, app_on_loopback, fetch, free_socket, running_server, wait_until
 from reference import stock_adjusted
 
 MODEL = "llama-tiny"
@@ -33,26 +32,13 @@ BIN = Path(sys.executable).parent
 
 @pytest.fixture(scope="module")
 def served():
-    # the Engine options of tests/test_engine.py: the same compiled step shapes
-    engine = flexpage.Engine(zoo.build(MODEL), page_size=16, max_cached_tokens=2048, max_batch_size=8,
-                             max_tokens_per_step=128)
+    engine = flexpage.Engine(zoo.build(MODEL), **ENGINE_OPTIONS)
     tokenizer = zoo.load_tokenizer(MODEL)
     app = build_app(engine, tokenizer, MODEL, max_waiting=64)
-    sock = free_socket()
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    yield SimpleNamespace(base=base, client=openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0,
-                                                          timeout=120),
-                          engine=engine, tokenizer=tokenizer, runner=app.state.server.runner)
-    server.should_exit = True
-    thread.join(timeout=30)
-    sock.close()
+    with app_on_loopback(app) as base:
+        yield SimpleNamespace(base=base, client=openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0,
+                                                              timeout=120),
+                              engine=engine, tokenizer=tokenizer, runner=app.state.server.runner)
 
 
 @pytest.fixture(scope="module")
@@ -281,7 +267,7 @@ def test_a_flood_of_disconnecting_clients_leaves_nothing_behind(served):
             response = connection.getresponse()
             assert response.status == 200 and response.readline().startswith(b"data:")
         connection.close()  # non-streaming clients go away without waiting for an answer
-    wait_until(lambda: not served.engine.scheduler.has_work and not served.runner._owners)
+    wait_until(lambda: not served.engine.has_work and served.runner.in_flight == 0)
     assert served.engine.cache.stats().pages_used == 0
     assert served.engine.stats().tokens_generated - before < 12 * 1500  # aborted: none ran to its end
     metrics = fetch(served.base, "GET", "/metrics")[1]
@@ -344,8 +330,7 @@ def test_serve_steps_the_engine_on_the_calling_thread_and_stops_on_sigint(stock)
     """``flexpage serve``'s loop: HTTP on a helper thread, every engine step on the caller's thread
     (on CPU the one that built the model: a second OpenMP team slows every op); SIGINT stops both
     gracefully and the previous signal handlers come back."""
-    engine = flexpage.Engine(zoo.build(MODEL), page_size=16, max_cached_tokens=2048, max_batch_size=8,
-                             max_tokens_per_step=128)
+    engine = flexpage.Engine(zoo.build(MODEL), **ENGINE_OPTIONS)
     stepped_on = set()
     step = engine.step
     engine.step = lambda: stepped_on.add(threading.current_thread()) or step()

@@ -22,6 +22,7 @@ from contextlib import aclosing, asynccontextmanager
 from typing import Any, AsyncIterator, Callable, TypeVar
 
 from fastapi import FastAPI, Request
+from jinja2 import TemplateError
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -37,7 +38,7 @@ from .runner import EngineFailedError, EngineRunner, Output, QueueFullError
 
 logger = logging.getLogger("flexpage.serve")
 
-MAX_REQUEST_BYTES = 1 << 20  # default request-body limit (413 above it)
+MAX_REQUEST_BYTES = 1 << 19  # default request-body limit (413 above it): tokenisers hold the GIL a while per MB
 MAX_ERROR_CHARS = 1000  # an error message's length at most
 RETRY_AFTER_SECONDS = 1  # a 429's Retry-After
 PENDING_TOKENS = 8  # tokens held back at most for an incomplete character (one takes at most 4 bytes)
@@ -229,7 +230,10 @@ class Server:
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """The chat template applied to ``messages``, as token ids (a worker thread's job)."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except (TemplateError, TypeError, ValueError) as error:  # a template may refuse roles or orders
+            raise APIError(400, f"the model's chat template refused the messages: {error}", param="messages") from None
         return list(self._tokenized(text, add_special_tokens=False))
 
     def _tokenized(self, text: str, **options: Any) -> list[int]:

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-waiting", type=int, default=256,
                         help="requests waiting to be admitted before answering 429 (a call with more prompts: 400)")
     parser.add_argument("--max-request-bytes", type=int,
-                        help="largest request body accepted, 413 above it (default: 1 MiB)")
+                        help="largest request body accepted, 413 above it (default: 512 KiB)")
     parser.add_argument("--api-key", default=os.environ.get("FLEXPAGE_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1/* (default: $FLEXPAGE_API_KEY; "
                              "/health and /metrics stay open)")
