@@ -9,10 +9,16 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from types import SimpleNamespace
 
+import openai
+import torch
 import uvicorn
 
+import flexpage
+from flexpage import zoo
 from flexpage.bench.measure import stop_process
+from flexpage.serve import build_app
 
 # the Engine options of tests/test_engine.py: the same compiled step shapes
 ENGINE_OPTIONS = dict(page_size=16, max_cached_tokens=2048, max_batch_size=8, max_tokens_per_step=128)
@@ -23,6 +29,11 @@ def free_socket() -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     return sock
+
+
+def prompt_ids(n: int, seed: int = 0) -> list[int]:
+    """``n`` token ids of the tiny zoo vocabulary, past its special tokens."""
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def fetch(base: str, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
@@ -94,6 +105,19 @@ def running_server(command: list[str], env: dict | None = None, seconds: float =
         yield base
     finally:
         stop_process(server, 60)
+
+
+@contextmanager
+def served_model(name: str, **app_options):
+    """An Engine over zoo model ``name`` (``ENGINE_OPTIONS``) behind ``build_app(**app_options)`` on
+    loopback: yields its ``base`` URL, an openai ``client``, the ``engine``, the ``tokenizer`` and
+    the app's ``server`` state."""
+    engine = flexpage.Engine(zoo.build(name), **ENGINE_OPTIONS)
+    tokenizer = zoo.load_tokenizer(name)
+    app = build_app(engine, tokenizer, name, **app_options)
+    with app_on_loopback(app) as base:
+        yield SimpleNamespace(base=base, engine=engine, tokenizer=tokenizer, server=app.state.server,
+                              client=openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120))
 
 
 PROBE = """

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from types import SimpleNamespace
 
 import openai
 import pytest
@@ -23,7 +22,7 @@ import flexpage
 from flexpage import zoo
 from flexpage.serve import build_app
 from flexpage.serve.cli import serve
-from http_helpers import ENGINE_OPTIONS, app_on_loopback, fetch, free_socket, running_server, wait_until
+from http_helpers import ENGINE_OPTIONS, fetch, free_socket, prompt_ids, running_server, served_model, wait_until
 from reference import stock_adjusted
 
 MODEL = "llama-tiny"
@@ -32,22 +31,13 @@ BIN = Path(sys.executable).parent
 
 @pytest.fixture(scope="module")
 def served():
-    engine = flexpage.Engine(zoo.build(MODEL), **ENGINE_OPTIONS)
-    tokenizer = zoo.load_tokenizer(MODEL)
-    app = build_app(engine, tokenizer, MODEL, max_waiting=64)
-    with app_on_loopback(app) as base:
-        yield SimpleNamespace(base=base, client=openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0,
-                                                              timeout=120),
-                              engine=engine, tokenizer=tokenizer, runner=app.state.server.runner)
+    with served_model(MODEL, max_waiting=64) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
 def stock():
     return zoo.build(MODEL)
-
-
-def prompt_ids(n: int, seed: int = 0) -> list[int]:
-    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def stock_greedy(model, ids: list[int], max_tokens: int) -> list[int]:
@@ -224,7 +214,7 @@ def test_bad_requests_get_openai_errors_and_change_nothing(served):
 
 def test_429_only_when_the_waiting_room_is_full_now_and_400_for_a_call_that_never_fits(served):
     host, port = served.base.removeprefix("http://").split(":")
-    served.runner.max_waiting = 2
+    served.server.runner.max_waiting = 2
     connections = []
     try:  # a call with more prompts than the waiting room: 400 even on an idle server
         with pytest.raises(openai.BadRequestError) as error:
@@ -245,8 +235,8 @@ def test_429_only_when_the_waiting_room_is_full_now_and_400_for_a_call_that_neve
     finally:
         for connection in connections:
             connection.close()
-        served.runner.max_waiting = 64
-    wait_until(lambda: served.runner.in_flight == 0 and not served.engine.has_work)
+        served.server.runner.max_waiting = 64
+    wait_until(lambda: served.server.runner.in_flight == 0 and not served.engine.has_work)
     assert served.engine.cache.stats().pages_used == 0
     assert served.client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
 
@@ -267,7 +257,7 @@ def test_a_flood_of_disconnecting_clients_leaves_nothing_behind(served):
             response = connection.getresponse()
             assert response.status == 200 and response.readline().startswith(b"data:")
         connection.close()  # non-streaming clients go away without waiting for an answer
-    wait_until(lambda: not served.engine.has_work and served.runner.in_flight == 0)
+    wait_until(lambda: not served.engine.has_work and served.server.runner.in_flight == 0)
     assert served.engine.cache.stats().pages_used == 0
     assert served.engine.stats().tokens_generated - before < 12 * 1500  # aborted: none ran to its end
     metrics = fetch(served.base, "GET", "/metrics")[1]

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..engine import Engine, SamplingParams, TokenLogprobs
-from ..errors import InvalidRequestError, StepFailedError
+from ..errors import StepFailedError
 from .metrics import Metrics
 
 logger = logging.getLogger("flexpage.serve")
@@ -212,7 +212,7 @@ class EngineRunner:
             for request, prompt, p in zip(requests, prompts, params):
                 request.first = self.engine.add_request(prompt, p)
                 added.append(request)
-        except InvalidRequestError as error:
+        except Exception as error:  # noqa: BLE001 - refused alone (a 400, or a 500 the app logs), never the thread's end
             if added:  # all or none
                 self.engine.abort([r.first + j for r in added for j in range(r.n)])
             loop.call_soon_threadsafe(_settle, accepted, error)
