@@ -26,6 +26,7 @@ from flexpage.serve import build_app
 from flexpage.sampling import Sampler
 from flexpage.serve.app import StopStrings
 from flexpage.serve.cli import serve
+from flexpage.serve.runner import EngineFailedError
 from http_helpers import (ENGINE_OPTIONS, app_on_loopback, fetch, fetch_response, free_socket, health_probe,
                           prompt_ids, served_model, wait_until)
 
@@ -431,50 +432,54 @@ def test_api_key_guards_v1_and_cors_allows_only_named_origins():
 
 @contextmanager
 def serving_on_main_thread(engine, **config):
-    """``serve()`` as ``flexpage serve`` runs it (engine on this thread, HTTP on another): yields
-    (base URL, a dict that receives serve()'s result and wall time) to a client body run on a thread."""
+    """``serve()`` as ``flexpage serve`` runs it (engine on this thread, HTTP on another) once the
+    block has started its client threads: yields the base URL, the uvicorn server and a dict that
+    holds the app's ``runner`` and receives serve()'s result (``ok``)."""
     app = build_app(engine, zoo.load_tokenizer(MODEL), MODEL, engine_thread=False)
     sock = free_socket()
     port = sock.getsockname()[1]
     sock.close()  # uvicorn binds it next
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **config))
-    result = {}
+    result = {"runner": app.state.server.runner}
     yield f"http://127.0.0.1:{port}", server, result
-    start = time.perf_counter()
     result["ok"] = serve(server, app.state.server.runner)
-    result["seconds"] = time.perf_counter() - start
 
 
 def test_engine_failure_answers_everyone_503_and_serve_exits_unsuccessfully(caplog):
-    """A bug that stops the engine thread: the traceback is logged, the running stream and a
-    request waiting behind it are answered 503 at once, later requests too, and ``serve()``
-    returns False (``flexpage serve`` exits 1 so a supervisor restarts it)."""
+    """A bug that stops the engine thread: the traceback is logged, the running stream and the
+    request waiting behind it are answered at once (an error event, a 503), any later submit is
+    refused (503), and ``serve()`` stops HTTP and returns False (``flexpage serve`` exits 1 so that
+    a supervisor restarts it)."""
     engine = flexpage.Engine(zoo.build(MODEL), **dict(ENGINE_OPTIONS, max_batch_size=1, max_tokens_per_step=17))
-    step, steps = engine.step, []
+    step, steps, broken = engine.step, [], threading.Event()
 
     def buggy():
         steps.append(1)
-        if len(steps) == 20:
+        if broken.is_set():
             raise KeyError("a bug in the engine")
         return step()
 
     engine.step = buggy
-    answers = {}
+    answers, threads = {}, []
+
+    def call(name: str, body: dict) -> None:
+        thread = threading.Thread(target=lambda: answers.update({name: fetch(
+            base, "POST", "/v1/completions", json.dumps({"model": MODEL, **body}).encode())}))
+        thread.start()
+        threads.append(thread)
+
     with caplog.at_level(logging.ERROR, logger="flexpage.serve"), \
             serving_on_main_thread(engine) as (base, server, result):
         def client() -> None:
             try:
                 wait_until(lambda: server.started, 60)
-                streamed = threading.Thread(target=lambda: answers.update(stream=fetch(base, "POST", "/v1/completions",
-                    json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 200, "stream": True,
-                                "ignore_eos": True}).encode())))
-                streamed.start()
-                wait_until(lambda: steps, 30)
-                answers["queued"] = post(base, "/v1/completions", {"model": MODEL, "prompt": "queued", "max_tokens": 5})
-                streamed.join(timeout=30)
-                answers["later"] = post(base, "/v1/completions", {"model": MODEL, "prompt": "later"})
-            except OSError as error:  # the server already went away: recorded, checked below
-                answers["later"] = error
+                call("stream", {"prompt": "hello", "max_tokens": 1500, "stream": True, "ignore_eos": True})
+                wait_until(lambda: steps, 30)  # the stream runs: the batch (one row) is full
+                call("queued", {"prompt": "queued", "max_tokens": 5})
+                wait_until(lambda: result["runner"].in_flight == 2, 30)
+                broken.set()
+                for thread in threads:
+                    thread.join(timeout=30)
             finally:  # serve() stops by itself; a signal only if it did not (the test then fails)
                 deadline = time.monotonic() + 30
                 while not server.should_exit and time.monotonic() < deadline:
@@ -484,14 +489,15 @@ def test_engine_failure_answers_everyone_503_and_serve_exits_unsuccessfully(capl
 
         threading.Thread(target=client, daemon=True).start()
     assert result["ok"] is False
-    status, body = answers["queued"]
-    assert_openai_error(status, body, 503, "a bug in the engine")
+    status, text = answers["queued"]
+    assert_openai_error(status, json.loads(text), 503, "a bug in the engine")
+    assert json.loads(text)["error"]["code"] == "engine_failed"
     status, text = answers["stream"]
     events = [line.removeprefix("data: ") for line in text.splitlines() if line.startswith("data: ")]
     assert status == 200 and events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["code"] == "engine_failed"
-    if not isinstance(answers["later"], OSError):  # answered before HTTP stopped: 503 too
-        assert_openai_error(*answers["later"], 503)
+    with pytest.raises(EngineFailedError, match="a bug in the engine"):
+        asyncio.run(result["runner"].submit([[5, 6]], [flexpage.SamplingParams()], asyncio.Queue()))
     assert any("engine thread failed" in r.getMessage() and "a bug in the engine" in r.exc_text
                for r in caplog.records)
 

@@ -13,6 +13,7 @@ character. Every error a client sees is an OpenAI error body.
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import json
 import logging
@@ -397,6 +398,10 @@ def build_app(engine: Engine, tokenizer: Any, model_name: str, max_waiting: int 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        # the model, the engine and the imports are here to stay: freeze them out of the cyclic GC's
+        # reach, whose full passes (over all of them) would stop every thread, the event loop too (as vLLM)
+        gc.collect()
+        gc.freeze()
         if engine_thread:
             server.runner.start()
         yield
