@@ -19,6 +19,7 @@ vocabulary and never an error for the other rows.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -168,7 +169,7 @@ class BlockedCdf:
 
 def _positive(totals: Tensor) -> list[bool]:
     """Which rows' total weights are finite and positive (a NaN or infinite logit makes them NaN)."""
-    return (totals.isfinite() & (totals > 0)).tolist()
+    return [math.isfinite(total) and total > 0 for total in totals.tolist()]
 
 
 def _into_nucleus(cdf: Cdf | BlockedCdf, picked: list[int], rows: list[tuple[int, float, Tensor]]) -> None:
