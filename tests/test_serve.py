@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import os
 import re
 import signal
 import subprocess
@@ -22,7 +23,8 @@ import flexpage
 from flexpage import zoo
 from flexpage.serve import build_app
 from flexpage.serve.cli import serve
-from http_helpers import ENGINE_OPTIONS, fetch, free_socket, prompt_ids, running_server, served_model, wait_until
+from http_helpers import (ENGINE_OPTIONS, fetch, fetch_response, free_socket, prompt_ids, running_server, served_model,
+                          wait_until)
 from reference import stock_adjusted
 
 MODEL = "llama-tiny"
@@ -350,15 +352,23 @@ def test_serve_steps_the_engine_on_the_calling_thread_and_stops_on_sigint(stock)
 
 def test_flexpage_serve_command(tmp_path):
     """The console command serves a save_pretrained directory with its own tokenizer (without packed
-    weights: stock's tokens still); stopped by the test."""
+    weights: stock's tokens still), with the operator's options: the API key from
+    ``FLEXPAGE_API_KEY``, a body limit, CORS for one origin; stopped by the test."""
     model_dir = tmp_path / "model"
     zoo.build(MODEL).save_pretrained(model_dir)
     zoo.load_tokenizer(MODEL).save_pretrained(model_dir)
     command = [str(BIN / "flexpage"), "serve", str(model_dir), "--served-model-name", "mine", "--max-cached-tokens",
-               "2048", "--max-batch-size", "8", "--max-tokens-per-step", "128", "--no-pack-weights"]
-    with running_server(command) as base:
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
+               "2048", "--max-batch-size", "8", "--max-tokens-per-step", "128", "--no-pack-weights",
+               "--max-request-bytes", "4096", "--allowed-origins", "http://ui.test", "--shutdown-timeout", "5"]
+    with running_server(command, env=os.environ | {"FLEXPAGE_API_KEY": "sesame"}) as base:
+        assert fetch(base, "GET", "/v1/models")[0] == 401
+        status, text = fetch(base, "POST", "/v1/completions", b" " * 5000, headers={"Authorization": "Bearer sesame"})
+        assert status == 413 and json.loads(text)["error"]["code"] == "request_too_large"
+        status, headers, _ = fetch_response(base, "OPTIONS", "/v1/models", headers={
+            "Origin": "http://ui.test", "Access-Control-Request-Method": "GET"})
+        assert status == 200 and headers["access-control-allow-origin"] == "http://ui.test"
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="sesame", max_retries=0, timeout=60)
         out = client.completions.create(model="mine", prompt="Hello", max_tokens=4, temperature=0)
         expected = stock_greedy(zoo.build(MODEL), zoo.load_tokenizer(MODEL)("Hello")["input_ids"], 4)
         assert out.choices[0].text == zoo.load_tokenizer(MODEL).decode(expected, skip_special_tokens=True)
-        assert json.loads(fetch(base, "GET", "/v1/models")[1])["data"][0]["id"] == "mine"
+        assert client.models.list().data[0].id == "mine"
