@@ -183,6 +183,25 @@ class Scheduler:
             self.page_table.register(seq.row, i, keys[i])
         seq.num_registered = full
 
+    def computed(self, batch: Batch, sampled: list[Sequence]) -> list[tuple[Sequence, int]]:
+        """After a step's forward: its tokens' K/V are in the cache (full pages offered to the
+        prefix cache). Returns each sequence that picks a token now with its row of the step's
+        logits (``sampled``'s order); a prompt just finished with ``n`` samples asked for splits
+        into its ``n - 1`` siblings here (``forks``), each picking from the same row."""
+        for seq in batch.decode:
+            seq.num_computed += 1
+        for seq, n in batch.chunks:
+            seq.num_computed += n
+        for seq in batch.decode + [seq for seq, _ in batch.chunks]:
+            self.register_pages(seq)
+        picks = []
+        for row, seq in enumerate(sampled):
+            if seq.forks and not seq.output:
+                picks += [(self.fork(seq, seq.index + j), row) for j in range(1, seq.forks + 1)]
+                seq.forks = 0
+            picks.append((seq, row))
+        return picks
+
     def fork(self, seq: Sequence, index: int) -> Sequence:
         """A sibling sample of a running sequence sharing all of its pages (copy-on-write)."""
         child = Sequence(index, list(seq.tokens), seq.prompt_len, seq.max_new_tokens, seq.stop_token_ids,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flexpage
-from flexpage import engine as engine_module, linear, zoo
+from flexpage import engine as engine_module, linear, model_runner, zoo
 from flexpage import InvalidRequestError
 from flexpage.bench.measure import compiled_graphs
 from reference import stock_adjusted
@@ -398,7 +398,7 @@ def test_a_request_with_no_distribution_to_sample_fails_alone(expected, monkeypa
     """Logits that turn NaN after one request's adjustments (as an underflowing penalty once did)
     fail that request alone: ``run()`` raises ``RequestFailedError`` naming it, its pages are
     freed, and the other requests of the step go on to stock's tokens."""
-    adjust = engine_module.adjust_logits
+    adjust = model_runner.adjust_logits
 
     def overflowing(logits, tokens, prompt_lens, params, stop_tokens):
         adjust(logits, tokens, prompt_lens, params, stop_tokens)
@@ -406,7 +406,7 @@ def test_a_request_with_no_distribution_to_sample_fails_alone(expected, monkeypa
             if p.presence_penalty == 1.5:
                 logits[row] = float("nan")
 
-    monkeypatch.setattr(engine_module, "adjust_logits", overflowing)
+    monkeypatch.setattr(model_runner, "adjust_logits", overflowing)
     engine = make_engine()
     prompts = workload()
     greedy = [engine.add_request(prompts[i], flexpage.SamplingParams(max_new_tokens=NEW_TOKENS[i])) for i in (0, 1)]

@@ -30,7 +30,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from ..engine import Engine, SamplingParams, TokenLogprobs
+from ..engine import Engine
+from ..requests import SamplingParams, TokenLogprobs
 from ..errors import InvalidRequestError
 from .metrics import Metrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, ErrorBody, ErrorResponse, PromptTokensDetails,

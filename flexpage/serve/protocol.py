@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..engine import SEED_RANGE
+from ..requests import SEED_RANGE
 from ..penalties import MAX_BIAS, MAX_PENALTY, REPETITION_PENALTY_RANGE
 
 MAX_STOP_STRINGS = 4

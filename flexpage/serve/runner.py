@@ -23,7 +23,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..engine import Engine, SamplingParams, TokenLogprobs
+from ..engine import Engine
+from ..requests import SamplingParams, TokenLogprobs
 from ..errors import StepFailedError
 from .metrics import Metrics
 

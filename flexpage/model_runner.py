@@ -1,0 +1,268 @@
+"""ModelRunner: one scheduled batch through the model, and the next token of each sequence.
+
+It turns a ``Batch`` into the step's inputs (token ids, positions, the packed plan and its
+``PackedBlockMask``), runs one forward, and picks the next tokens: penalties and bias, greedy or
+sampled (each request with its own generator), logprobs, a request whose pick fails failing
+alone. It owns the step shapes: attention's region sizes are bucketed (powers of two), so a few
+compiled attention graphs serve every mix of lengths, all compiled by ``warmup()``; the linear
+layers see each decode token once (17 decode tokens are 17 rows, not a bucket of 32). Compiled
+and graph-captured steps belong here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from .attention import sdpa_over_pages
+from .cache import PagedKVCache
+from .errors import OutOfPagesError, StepFailedError
+from .masks import PackedBlockMask
+from .pages import cdiv, host_tensor
+from .penalties import adjust_logits
+from .requests import SamplingParams, TokenLogprobs
+from .sampling import Sampler, greedy_tokens
+from .scheduler import Batch, Sequence
+
+# query block of prefill chunks where FlexAttention attends them (Triton's smallest tile); where SDPA
+# attends each chunk on its own (CPU) chunks need no alignment. Decode tokens are one-token rows.
+CHUNK_BLOCK = 16
+MIN_CHUNK_REGION = 64  # the smallest chunk-region bucket
+
+
+@dataclass
+class Forward:
+    """A step's forward: the logits of its sampling positions (one row per ``sampled`` sequence,
+    in order), its attention regions' sizes and the seconds the model took."""
+
+    logits: torch.Tensor
+    sampled: list[Sequence]
+    decode_len: int
+    chunk_len: int
+    seconds: float
+
+
+class ModelRunner:
+    """Runs ``model`` (wrapped, with its pools in ``cache``) over scheduled batches of at most
+    ``max_batch_size`` sequences and ``max_tokens_per_step`` tokens; keeps each output's
+    sampling settings and generator from ``add`` to ``forget``."""
+
+    def __init__(self, model: PreTrainedModel, cache: PagedKVCache, cache_argument: str, max_batch_size: int,
+                 max_tokens_per_step: int) -> None:
+        if max_tokens_per_step < max_batch_size + CHUNK_BLOCK:
+            raise ValueError(
+                f"max_tokens_per_step ({max_tokens_per_step}) must leave room for a decode token per sequence "
+                f"(max_batch_size={max_batch_size}) and one {CHUNK_BLOCK}-token prefill chunk"
+            )
+        self.model, self.cache, self.cache_argument = model, cache, cache_argument
+        self.max_batch_size, self.max_tokens_per_step = max_batch_size, max_tokens_per_step
+        self.device = model.device  # fixed once the pools are allocated (the property is slow)
+        # a lone decode token and each prefill chunk take SDPA over their pages: they compile nothing
+        self.sdpa = sdpa_over_pages(self.device, getattr(model.config, "attn_logit_softcapping", None), 1)
+        self.chunk_block = 1 if self.sdpa else CHUNK_BLOCK  # unaligned chunks: no padding rows in the forward
+        self.sampling: dict[int, tuple[SamplingParams, torch.Generator | None]] = {}
+        self.sampler = Sampler()  # keeps its scratch rows from step to step
+
+    # ------------------------------------------------------------------ requests
+    def add(self, index: int, params: SamplingParams) -> None:
+        """Outputs ``index`` to ``index + num_return_sequences - 1`` sample as ``params`` asks, each
+        from its own generator (seeded with ``seed + sample`` when a seed is given)."""
+        for j in range(params.num_return_sequences):
+            self.sampling[index + j] = (params, self._generator(params, j))
+
+    def forget(self, indices: Any) -> None:
+        for index in indices:
+            self.sampling.pop(index, None)
+
+    def _generator(self, params: SamplingParams, sample: int) -> torch.Generator | None:
+        if not params.do_sample:
+            return None
+        generator = torch.Generator(device=self.device)
+        if params.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(params.seed + sample)
+        return generator
+
+    # ------------------------------------------------------------------ a step
+    def forward(self, batch: Batch) -> Forward:
+        """One forward over the batch, packed: the decode tokens, then each prefill chunk (aligned to
+        the chunk block). Raises ``StepFailedError`` with the step's slots given back if it fails."""
+        decode_len = self.decode_len(len(batch.decode))
+        block = self.chunk_block
+        aligned = sum(cdiv(n, block) * block for _, n in batch.chunks)
+        chunk_len = aligned if self.sdpa or not aligned else _bucket(aligned, MIN_CHUNK_REGION)  # buckets: graphs
+        plan = self.cache.begin_packed_step(
+            [s.row for s in batch.decode], [(s.row, n) for s, n in batch.chunks], decode_len, chunk_len, block
+        )
+        ids = [seq.tokens[-1] for seq in batch.decode]  # not padded to decode_len: attention pads its rows
+        keep, sampled = list(range(len(batch.decode))), list(batch.decode)  # positions whose logits pick a token
+        for seq, n in batch.chunks:
+            span = cdiv(n, block) * block
+            ids += seq.tokens[seq.num_computed : seq.num_computed + n] + [0] * (span - n)
+            if seq.num_computed + n == len(seq.tokens):  # the chunk ends the prompt: its last logit samples
+                keep.append(len(ids) - span + n - 1)
+                sampled.append(seq)
+        ids += [0] * (plan.q_len - len(ids))
+        try:
+            logits, seconds = self._logits(ids, plan, keep)
+        except BaseException as error:  # the step's tokens were never computed: give their slots back
+            stepped = batch.decode + [seq for seq, _ in batch.chunks]
+            for seq in stepped:
+                self.cache.page_table.truncate(seq.row, seq.num_computed)
+            if isinstance(error, Exception):
+                raise StepFailedError([seq.index for seq in stepped], error) from error
+            raise
+        return Forward(logits, sampled, decode_len, chunk_len, seconds)
+
+    def _logits(self, ids: list[int], plan, keep: list[int]) -> tuple[torch.Tensor, float]:
+        """One forward over a packed step: the logits of the ``keep`` positions, and the seconds
+        the model itself took (building its inputs and mask is host work)."""
+        device = self.device
+        inputs = dict(
+            input_ids=host_tensor(ids, device).view(1, -1),
+            position_ids=plan.position_ids,  # the plan's tensors are on the cache's device already
+            attention_mask=PackedBlockMask.for_step(self.cache.page_table, plan),
+            use_cache=True,
+            # every position's logits (0) when all are kept: a pure decode step builds no index tensor
+            logits_to_keep=0 if len(keep) == len(ids) else host_tensor(keep, device),
+        )
+        start = time.perf_counter()
+        logits = self.model(**inputs, **{self.cache_argument: self.cache}).logits[0]
+        return logits, time.perf_counter() - start
+
+    def pick(self, logits: torch.Tensor, picks: list[tuple[Sequence, int]]
+              ) -> tuple[list[int | None], dict[int, TokenLogprobs], dict[int, str]]:
+        """Each pick's next token (None if its request failed), the logprobs asked for, and why
+        each failed request failed. A row with nothing to sample from fails alone; if the step's
+        penalties, sampling or logprobs raise, the picks are taken again one at a time, so only
+        the requests that raise alone fail."""
+        try:
+            tokens = self._next_tokens(logits, picks)
+            logprobs = self._logprobs(logits, picks, tokens)
+        except Exception:  # noqa: BLE001 - the culprit is found below, one request at a time
+            tokens, logprobs, failed = [], {}, {}
+            for pick in picks:
+                try:
+                    (token,) = self._next_tokens(logits, [pick])
+                    logprobs |= self._logprobs(logits, [pick], [token])
+                except Exception as error:  # noqa: BLE001 - reported to this request alone
+                    token, failed[pick[0].index] = None, f"{type(error).__name__}: {error}"
+                tokens.append(token)
+        else:
+            failed = {}
+        for (seq, _), token in zip(picks, tokens):
+            if token is None and seq.index not in failed:
+                failed[seq.index] = ("nothing could be sampled from the request's logits: NaN or infinite after "
+                                     "its penalties and temperature")
+        return tokens, logprobs, failed
+
+    def _next_tokens(self, logits: torch.Tensor, picks: list[tuple[Sequence, int]]) -> list[int | None]:
+        """Each sequence's next token from its row of ``logits`` (after the penalties and bias its
+        request asks for): greedy ones by one argmax over the step, sampled ones by one draw over
+        the step (``Sampler``), each from its request's generator."""
+        settings = [self.sampling[seq.index] for seq, _ in picks]
+        if any(params.adjusts_logits for params, _ in settings):  # a float copy, a row per sequence, to adjust
+            logits = logits[host_tensor([row for _, row in picks], logits.device)].float()
+            adjust_logits(logits, [seq.tokens for seq, _ in picks], [seq.prompt_len for seq, _ in picks],
+                          [params for params, _ in settings], [seq.stop_token_ids for seq, _ in picks])
+            picks = [(seq, i) for i, (seq, _) in enumerate(picks)]
+        drawn = [i for i, (params, _) in enumerate(settings) if params.do_sample]
+        greedy = greedy_tokens(logits) if len(drawn) < len(picks) else None  # the argmax of every row
+        tokens = [0 if greedy is None else greedy[row] for _, row in picks]
+        if drawn:
+            params = [settings[i][0] for i in drawn]
+            index = [picks[i][1] for i in drawn]  # no copy of the logits when every row samples
+            rows = logits if index == list(range(len(logits))) else logits[host_tensor(index, logits.device)]
+            sampled = self.sampler(rows, [p.temperature for p in params], [p.top_k for p in params],
+                                    [p.top_p for p in params], [settings[i][1] for i in drawn])
+            for i, token in zip(drawn, sampled):
+                tokens[i] = token
+        return tokens
+
+    def _logprobs(self, logits: torch.Tensor, picks: list[tuple[Sequence, int]],
+                  tokens: list[int]) -> dict[int, TokenLogprobs]:
+        """The log-probabilities the step's requests asked for (``SamplingParams.logprobs``), by
+        sequence index: one log-softmax and one top-k over all of their rows."""
+        asked = [(seq.index, row, token, top) for (seq, row), token in zip(picks, tokens)
+                 if token is not None and (top := self.sampling[seq.index][0].logprobs) is not None]
+        if not asked:
+            return {}
+        device = logits.device
+        logprobs = logits[host_tensor([row for _, row, _, _ in asked], device)].float().log_softmax(-1)
+        chosen = logprobs.gather(1, host_tensor([token for _, _, token, _ in asked], device)[:, None])[:, 0].tolist()
+        width = max(top for *_, top in asked)
+        values, ids = logprobs.topk(width) if width else (logprobs[:, :0], logprobs[:, :0].long())
+        values, ids = values.tolist(), ids.tolist()
+        return {index: TokenLogprobs(chosen[i], list(zip(ids[i][:top], values[i][:top])))
+                for i, (index, _, _, top) in enumerate(asked)}
+
+    def decode_len(self, count: int) -> int:
+        """The decode attention call's rows: a lone decode token attended eagerly takes one
+        (nothing compiled depends on it), else a power of two >= 2, so compiled graphs are few
+        (the rows past the real tokens are empty: they cost attention little and the rest of the
+        forward nothing)."""
+        if count == 0 or count == 1 and self.sdpa:
+            return count
+        return _bucket(count, 2)
+
+    def compiled_shapes(self, decode_len: int, chunk_len: int) -> list[tuple[str, int]]:
+        """The compiled attention regions a step of these region sizes used."""
+        shapes = (("decode", 0 if decode_len == 1 and self.sdpa else decode_len), ("chunk", 0 if self.sdpa else chunk_len))
+        return [shape for shape in shapes if shape[1]]
+
+    def step_shapes(self) -> list[tuple[int, int]]:
+        """Every ``(decode_len, chunk_len)`` region size a step can have that compiles a graph:
+        each chunk-region bucket and each decode-region bucket. Where SDPA attends a lone decode
+        token and the prefill chunks (CPU), those regions compile nothing and have no buckets."""
+        chunks = []
+        if not self.sdpa:
+            chunks.append(MIN_CHUNK_REGION)
+            while chunks[-1] < self.max_tokens_per_step:
+                chunks.append(chunks[-1] * 2)
+        first = 2 if self.sdpa else 1
+        decodes = sorted({self.decode_len(k) for k in range(first, self.max_batch_size + 1)})
+        return [(0, c) for c in chunks] + [(d, 0) for d in decodes]
+
+    @torch.inference_mode()
+    def warmup(self, progress: bool = True) -> float:
+        """Compile every step shape the engine can use (``step_shapes``) now, so that no
+        request ever waits on a compile; returns the seconds it took.
+
+        Each shape runs one forward over scratch rows (zeros as tokens), keeping every decode
+        row's logits (so the linear layers start timing their kernels for these row counts
+        here), then the rows are freed:
+        the pool, the prefix cache and the counters are as they were. A chunk region is warmed
+        with two chunks, since a lone chunk is attended by SDPA and compiles nothing.
+        """
+        start = time.perf_counter()
+        pt = self.cache.page_table
+        for decode_len, chunk_len in tqdm(self.step_shapes(), desc="warm-up", unit="shape", disable=not progress):
+            free = len(pt.free_pages) - decode_len - 1  # truly free pages: cached prefix pages stay
+            tokens = min(chunk_len, self.chunk_block + min(free, pt.max_pages_per_seq) * pt.page_size)
+            if free < 0 or chunk_len and tokens <= self.chunk_block:
+                raise OutOfPagesError(f"warm-up needs free pages for a step of shape {(decode_len, chunk_len)}: "
+                                      f"call it while the engine is idle")
+            split = self.max_batch_size > 1  # two chunks where two rows may run
+            decoding = min(decode_len, self.max_batch_size)  # a bucket may exceed the rows
+            rows = [self.cache.add_sequence() for _ in range(decoding + (1 + split) * (chunk_len > 0))]
+            chunks = [(rows[-1], tokens)] if chunk_len else []
+            if chunk_len and split:
+                chunks = [(rows[-2], self.chunk_block), (rows[-1], tokens - self.chunk_block)]
+            try:
+                plan = self.cache.begin_packed_step(rows[:decoding], chunks, decode_len, chunk_len, self.chunk_block)
+                self._logits([0] * plan.q_len, plan, list(range(max(decoding, 1))))  # LM head: every decode row
+            finally:
+                for row in rows:
+                    self.cache.free_sequence(row)
+        return time.perf_counter() - start
+
+
+def _bucket(n: int, smallest: int) -> int:
+    """Region sizes are powers of two (at least ``smallest``) so step shapes repeat."""
+    return max(smallest, 1 << (n - 1).bit_length())
