@@ -3,7 +3,7 @@
 from . import masks
 from .attention import fresh_prefill_attention, packed_attention, paged_attention, sequence_attention
 from .cache import CacheStats, PagedKVCache
-from .engine import Engine, EngineStats, SamplingParams, TokenLogprobs
+from .engine import Engine, EngineStats, SamplingParams, StepOutput, TokenLogprobs
 from .errors import (FlexpageError, InvalidRequestError, OutOfPagesError, RequestFailedError, StepFailedError,
                      UnsupportedModelError)
 from .hf import unwrap, wrap
@@ -26,6 +26,7 @@ __all__ = [
     "SamplingParams",
     "SequenceKV",
     "StepFailedError",
+    "StepOutput",
     "StepPlan",
     "TokenLogprobs",
     "UnsupportedModelError",

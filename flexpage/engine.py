@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Collection, Iterator
 from typing import Sequence as Seq
@@ -25,10 +25,9 @@ from .errors import InvalidRequestError, RequestFailedError
 from .hf import wrap
 from .model_runner import ModelRunner
 from .parallel import RankSync
-from .requests import SamplingParams, TokenLogprobs
+from .requests import SamplingParams, StepOutput, TokenLogprobs
 from .scheduler import Scheduler, Sequence
 HISTORY_STEPS = 10_000  # steps ``Engine.history`` keeps, the latest: a server steps for days
-REQUEST_RECORDS = 100_000  # outputs the per-request records keep, the latest (``Engine.reset_stats``)
 
 
 @dataclass(frozen=True)
@@ -50,7 +49,7 @@ class EngineStats:
 
 
 @dataclass(frozen=True, slots=True)
-class StepRecord:
+class StepSummary:
     """What one step did and how full the pool was after it (``Engine.history``: the last
     ``HISTORY_STEPS`` steps)."""
 
@@ -178,9 +177,9 @@ class Engine:
             self.add_request(prompt, p)
         mine = range(first, self._next_index)
         try:
-            for index, token in self.run():
-                if index in mine:
-                    yield index - first, token
+            for record in self.run():
+                if record.index in mine:
+                    yield record.index - first, record.token
         finally:  # a consumer that stops early cancels what is left of its requests
             self.abort(mine)
 
@@ -207,15 +206,17 @@ class Engine:
         self.runner.forget(indices)
         return dropped
 
-    def run(self) -> Iterator[tuple[int, int]]:
-        """Step until every queued request has finished, yielding ``(request index, token)``;
+    def run(self) -> Iterator[StepOutput]:
+        """Step until every queued request has finished, yielding each step's records of tokens;
         raises ``RequestFailedError`` after a step in which a request failed (the others stay queued)."""
         start = time.perf_counter()
         try:
             while self.scheduler.has_work:
-                yield from self.step()
-                if self.failed:
-                    raise RequestFailedError("; ".join(f"request {i}: {why}" for i, why in self.failed.items()))
+                records = self.step()
+                yield from (r for r in records if r.token is not None)
+                failed = [f"request {r.index}: {r.error}" for r in records if r.error is not None]
+                if failed:
+                    raise RequestFailedError("; ".join(failed))
         finally:
             self._seconds += time.perf_counter() - start
 
@@ -227,8 +228,9 @@ class Engine:
             raise RuntimeError("follow() is for ranks other than 0 of a tensor-parallel engine")
         outputs: dict[int, list[int]] = {}
         while not self._closed:
-            for index, token in self.step():
-                outputs.setdefault(index, []).append(token)
+            for record in self.step():
+                if record.token is not None:
+                    outputs.setdefault(record.index, []).append(record.token)
         return outputs
 
     def close(self) -> None:
@@ -249,12 +251,11 @@ class Engine:
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
-    def step(self) -> list[tuple[int, int]]:
-        """Run one ragged step; return the ``(request index, token)`` pairs it produced. Requests
-        that failed after the forward are in ``failed`` (index -> reason) until the next step,
-        already aborted."""
+    def step(self) -> list[StepOutput]:
+        """Run one ragged step; return what it produced for each output it advanced: a token (with
+        its finish reason, the logprobs asked for and, with a first token, the prefix-cache hits and
+        time to it), or the error that failed the request (already aborted, its pages freed)."""
         step_start = time.perf_counter()
-        self.failed = {}
         if self.ranks is not None:
             if self._closed:
                 raise RuntimeError("this tensor-parallel engine was closed: its other ranks no longer follow")
@@ -268,29 +269,27 @@ class Engine:
             return []
         forward = self.runner.forward(batch)  # raises StepFailedError (the step's slots given back)
         picks = self.scheduler.computed(batch, forward.sampled)  # each sequence with its row of the logits
-        tokens, self.step_logprobs, self.failed = self.runner.pick(forward.logits, picks)
-        produced = []
-        for (seq, _), token in zip(picks, tokens):
-            if token is not None:  # None: failed, dropped below
-                self._append(seq, token)
-                produced.append((seq.index, token))
-        if self.failed:  # every rank fails the same rows (same logits, same seeds): no broadcast
-            self._drop(self.failed)
-        self._record(batch, forward, len(produced))
+        tokens, logprobs, failed = self.runner.pick(forward.logits, picks)
+        records = [StepOutput(seq.index, None, "error", error=failed[seq.index]) if token is None
+                   else self._append(seq, token, logprobs.get(seq.index)) for (seq, _), token in zip(picks, tokens)]
+        if failed:  # every rank fails the same rows (same logits, same seeds): no broadcast
+            self._drop(failed)
+        self._record(batch, forward, len(records) - len(failed))
         self._host_seconds += time.perf_counter() - step_start - forward.seconds
-        return produced
+        return records
 
-    def _append(self, seq: Sequence, token: int) -> None:
-        """A sequence's new token: its first-token records, and its end (pages freed) if it ends it."""
+    def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> StepOutput:
+        """A sequence's new token, and its end (pages freed) if the token ends it."""
         seq.append(token)
-        if len(seq.tokens) == seq.prompt_len + 1:  # its first token
-            self.first_token_seconds[seq.index] = time.perf_counter() - seq.arrival
-            self.cached_prompt_tokens[seq.index] = seq.cached_tokens
+        first = len(seq.tokens) == seq.prompt_len + 1
+        reason = None
         if seq.finished:
-            self.finish_reasons[seq.index] = "stop" if token in seq.stop_token_ids else "length"
+            reason = "stop" if token in seq.stop_token_ids else "length"
             self.scheduler.finish(seq)
             self.runner.forget([seq.index])
             self._finished += 1
+        return StepOutput(seq.index, token, reason, logprobs, seq.cached_tokens if first else None,
+                          time.perf_counter() - seq.arrival if first else None)
 
     def step_shapes(self) -> list[tuple[int, int]]:
         """Every ``(decode_len, chunk_len)`` region size a step can have that compiles a graph
@@ -376,23 +375,13 @@ class Engine:
         return params
 
     def reset_stats(self) -> None:
-        """Start counting afresh (``stats()``, ``history``, the per-request records). The
-        per-request records (``first_token_seconds``, ``cached_prompt_tokens``,
-        ``finish_reasons``) keep the latest ``REQUEST_RECORDS`` outputs, so a long-lived engine's
-        memory stays bounded; ``flexpage serve`` pops each request's entries once it is done."""
+        """Start counting afresh (``stats()`` and ``history``)."""
         self._steps = self._attention_calls = self._peak_pages = 0
         self._prefill_tokens = self._generated = self._finished = 0
         self._utilisation_sum = self._seconds = self._host_seconds = 0.0
         self._shapes: set[tuple[str, int]] = set()
         self._hits_at_reset = self.scheduler.prefix_hit_tokens
-        # request index -> seconds from submission; prompt tokens from the prefix cache; "stop" (a stop
-        # token) or "length"
-        self.first_token_seconds: dict[int, float] = _Latest(REQUEST_RECORDS)
-        self.cached_prompt_tokens: dict[int, int] = _Latest(REQUEST_RECORDS)
-        self.finish_reasons: dict[int, str] = _Latest(REQUEST_RECORDS)
-        self.step_logprobs: dict[int, TokenLogprobs] = {}  # the last step's tokens, for requests asking logprobs
-        self.failed: dict[int, str] = {}  # requests that failed in the last step (aborted): index -> why
-        self.history: deque[StepRecord] = deque(maxlen=HISTORY_STEPS)
+        self.history: deque[StepSummary] = deque(maxlen=HISTORY_STEPS)
 
     def _record(self, batch, forward, produced: int) -> None:
         stats = self.cache.stats()
@@ -403,19 +392,6 @@ class Engine:
         self._utilisation_sum += stats.utilisation
         self._prefill_tokens += sum(n for _, n in batch.chunks)
         self._generated += produced
-        self.history.append(StepRecord(time.perf_counter(), len(batch.decode), sum(n for _, n in batch.chunks),
+        self.history.append(StepSummary(time.perf_counter(), len(batch.decode), sum(n for _, n in batch.chunks),
                                        stats.pages_used, stats.utilisation))
-
-
-class _Latest(OrderedDict):
-    """A dict of the ``limit`` entries set last (the oldest leave first)."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__()
-        self.limit = limit
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        super().__setitem__(key, value)
-        if len(self) > self.limit:
-            self.popitem(last=False)
 

@@ -84,3 +84,16 @@ class TokenLogprobs:
 
     logprob: float
     top: list[tuple[int, float]]
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What a step produced for one output (``Engine.step`` returns one per output it advanced)."""
+
+    index: int  # the output's index (request index + sample number)
+    token: int | None  # None: the request failed (``error``), already aborted
+    finish_reason: str | None  # "stop" (a stop token), "length", "error"; None while it runs
+    logprobs: TokenLogprobs | None = None  # when the request asks for them
+    cached_tokens: int | None = None  # with its first token: prompt tokens served from the prefix cache
+    first_token_seconds: float | None = None  # with its first token: seconds from submission
+    error: str | None = None  # why the request failed

@@ -144,7 +144,7 @@ def test_a_lone_request_decodes_one_token_per_step(stock_llama):
     engine.add_request(prompt, flexpage.SamplingParams(max_new_tokens=6))
     tokens = []
     while engine.scheduler.has_work:
-        tokens += [token for _, token in engine.step()]
+        tokens += [record.token for record in engine.step()]
         assert engine.cache.step.q_len in (1, 70)  # no padding: SDPA attends the prompt, unaligned, on CPU
     assert tokens == stock_greedy(stock_llama, prompt, 6)
     assert engine.stats().steps == 6  # one prefill step, then one step per further token
@@ -163,8 +163,8 @@ def test_forwards_feed_no_padding_tokens(stock_llama):
     outputs = {i: [] for i in range(3)}
     try:
         while engine.scheduler.has_work:
-            for index, token in engine.step():
-                outputs[index].append(token)
+            for record in engine.step():
+                outputs[record.index].append(record.token)
             plan = engine.cache.step
             if not plan.chunks:  # a pure decode step
                 assert fed[-1] == plan.q_len == plan.num_decode == 3 and plan.decode_len == 4
@@ -193,18 +193,27 @@ def test_history_keeps_the_latest_steps(monkeypatch):
     assert [h.time for h in engine.history] == sorted(h.time for h in engine.history)
 
 
-def test_per_request_records_keep_the_latest_outputs(expected, monkeypatch):
-    """A long-lived engine serves requests without end: its per-request records stay bounded."""
-    monkeypatch.setattr(engine_module, "REQUEST_RECORDS", 3)
+def test_step_records_carry_each_outputs_first_token_facts_and_end(expected):
+    """``step()`` returns one record per output it advanced: the first carries the time to it and
+    the prompt tokens served from the prefix cache, the last the finish reason; nothing about a
+    finished request stays behind in the engine."""
     engine = make_engine()
-    outputs, first, done = {i: [] for i in range(len(LENGTHS))}, [], []
-    for index, token in engine.stream(workload(), max_new_tokens=list(NEW_TOKENS)):
-        first += [index] if not outputs[index] else []
-        outputs[index].append(token)
-        done += [index] if len(outputs[index]) == len(expected[index]) else []
-    assert list(outputs.values()) == expected
-    assert list(engine.first_token_seconds) == list(engine.cached_prompt_tokens) == first[-3:]
-    assert list(engine.finish_reasons) == done[-3:]
+    prompts = workload()
+    for prompt, n in zip(prompts, NEW_TOKENS):
+        engine.add_request(prompt, flexpage.SamplingParams(max_new_tokens=n))
+    records: dict[int, list] = {i: [] for i in range(len(prompts))}
+    while engine.has_work:
+        for record in engine.step():
+            records[record.index].append(record)
+    assert [[r.token for r in rs] for rs in records.values()] == expected
+    for rs, tokens in zip(records.values(), expected):
+        assert rs[0].first_token_seconds > 0 and rs[0].cached_tokens == 0
+        assert all(r.first_token_seconds is None and r.cached_tokens is None for r in rs[1:])
+        assert [r.finish_reason for r in rs] == [None] * (len(rs) - 1) + ["stop" if tokens[-1] == 2 else "length"]
+    assert engine.runner.sampling == {} and engine.cache.stats().pages_used == 0
+    again = engine.add_request(prompts[5], flexpage.SamplingParams(max_new_tokens=1))  # 200 tokens: 12 full pages
+    (record,) = engine.step()
+    assert (record.index, record.cached_tokens, record.finish_reason) == (again, 192, "length")
 
 
 def test_preemption_under_a_small_pool_changes_no_token(expected):
@@ -273,8 +282,8 @@ def test_penalties_and_bias_match_stock_processors(stock_llama):
     for option in options:
         engine.add_request(prompt, flexpage.SamplingParams(max_new_tokens=24, eos_token_id=[], **option))
     outputs: dict[int, list[int]] = {i: [] for i in range(len(options))}
-    for index, token in engine.run():
-        outputs[index].append(token)
+    for record in engine.run():
+        outputs[record.index].append(record.token)
     for index, option in enumerate(options):
         expected = stock_adjusted(stock_llama, prompt, 24, **option)
         assert outputs[index] == expected, option
@@ -297,11 +306,11 @@ def test_logprobs_of_a_step_are_each_requests_own(stock_llama):
     for prompt, top in zip(prompts, tops):
         engine.add_request(prompt, flexpage.SamplingParams(max_new_tokens=5, logprobs=top))
     got = {i: [] for i in range(3)}
-    while engine.scheduler.has_work:
-        engine.step()
-        assert 2 not in engine.step_logprobs  # asked for none
-        for index, entry in engine.step_logprobs.items():
-            got[index].append(entry)
+    while engine.has_work:
+        for record in engine.step():
+            assert (record.logprobs is None) == (record.index == 2)  # asked for none
+            if record.logprobs is not None:
+                got[record.index].append(record.logprobs)
     for index in (0, 1):
         ref = stock_llama.generate(torch.tensor([prompts[index]]), max_new_tokens=5, do_sample=False, pad_token_id=0,
                                    eos_token_id=None, output_logits=True, return_dict_in_generate=True)
@@ -354,8 +363,8 @@ def test_bad_requests_are_rejected_alone(expected):
     assert (list(engine.scheduler.waiting), engine.cache.stats()) == before
     good.append(engine.add_request(prompts[1], flexpage.SamplingParams(max_new_tokens=NEW_TOKENS[1])))
     outputs: dict[int, list[int]] = {i: [] for i in good}
-    for i, token in engine.run():
-        outputs[i].append(token)
+    for record in engine.run():
+        outputs[record.index].append(record.token)
     assert [outputs[i] for i in good] == expected[:2]
     # a batch call names every bad prompt and queues none of them
     with pytest.raises(InvalidRequestError, match=r"prompt 1: empty prompt; prompt 2: .*vocabulary"):
@@ -383,14 +392,14 @@ def test_a_failed_step_gives_its_slots_back_and_serving_resumes(expected, monkey
     monkeypatch.setattr(engine.model, "forward", fails_on_third_step)
     outputs: dict[int, list[int]] = {0: [], 1: [], 2: []}
     with pytest.raises(RuntimeError, match="device lost"):
-        for i, token in engine.run():
-            outputs[i].append(token)
+        for record in engine.run():
+            outputs[record.index].append(record.token)
     pt = engine.cache.page_table
     for seq in engine.scheduler.running:  # the page table holds exactly the computed tokens
         assert pt.seq_lens[seq.row] == seq.num_computed
     monkeypatch.undo()
-    for i, token in engine.run():
-        outputs[i].append(token)
+    for record in engine.run():
+        outputs[record.index].append(record.token)
     assert [outputs[i] for i in range(3)] == expected[:3]
 
 
@@ -414,10 +423,9 @@ def test_a_request_with_no_distribution_to_sample_fails_alone(expected, monkeypa
                                                                       presence_penalty=1.5))
     outputs: dict[int, list[int]] = {i: [] for i in greedy + [poisoned]}
     with pytest.raises(flexpage.RequestFailedError, match=f"request {poisoned}: nothing could be sampled"):
-        for i, token in engine.run():
-            outputs[i].append(token)
-    assert list(engine.failed) == [poisoned]
-    for i, token in engine.run():  # the others were left queued
-        outputs[i].append(token)
+        for record in engine.run():
+            outputs[record.index].append(record.token)
+    for record in engine.run():  # the others were left queued
+        outputs[record.index].append(record.token)
     assert [outputs[i] for i in greedy] == expected[:2] and outputs[poisoned] == []
     assert not engine.has_work and engine.cache.stats().pages_used == 0

@@ -21,9 +21,28 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from tqdm.auto import tqdm
 from transformers import LogitsProcessor
 
+from ..engine import Engine, SamplingParams
 from ..linear import cpu_model
+
+
+def engine_generate(engine: Engine, prompts: list[list[int]], max_new_tokens: list[int] | int
+                    ) -> tuple[list[list[int]], list[float]]:
+    """``engine.generate(prompts, max_new_tokens, progress=True)`` (greedy), and each prompt's
+    seconds from submission to its first token (from the step records)."""
+    counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    position = {engine.add_request(p, SamplingParams(max_new_tokens=n)): i for i, (p, n) in enumerate(zip(prompts, counts))}
+    outputs, ttft = [[] for _ in prompts], [0.0] * len(prompts)
+    with tqdm(total=len(prompts), desc="requests", unit="req") as bar:
+        for record in engine.run():
+            i = position[record.index]
+            outputs[i].append(record.token)
+            if record.first_token_seconds is not None:
+                ttft[i] = record.first_token_seconds
+            bar.update(record.finish_reason is not None)
+    return outputs, ttft
 
 
 def matmul_probe_ms(size: int = 256, repeats: int = 5) -> float:

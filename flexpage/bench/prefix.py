@@ -29,7 +29,7 @@ import torch
 import flexpage
 from flexpage import zoo
 from flexpage.bench.measure import (
-    add_run_arguments, caption, save_figure, machine_info, matmul_probe_ms, out_dir, write_records)
+    add_run_arguments, caption, engine_generate, save_figure, machine_info, matmul_probe_ms, out_dir, write_records)
 from flexpage.bench.throughput import fixed_length_model, percentile, run_continuous, run_padded
 
 
@@ -44,10 +44,9 @@ def run_engine(engine: flexpage.Engine, name: str, prompts, new_tokens: int) -> 
     engine.cache.page_table.clear_prefix_cache()
     engine.reset_stats()
     start = time.perf_counter()
-    outputs = engine.generate(prompts, max_new_tokens=new_tokens, progress=True)
+    outputs, ttft = engine_generate(engine, prompts, new_tokens)
     seconds = time.perf_counter() - start
     stats = engine.stats()
-    ttft = list(engine.first_token_seconds.values())
     page = engine.cache.page_size
     return {"config": name, "seconds": round(seconds, 3), "tokens_per_s": round(sum(map(len, outputs)) / seconds, 2),
             "ttft_mean_s": round(statistics.mean(ttft), 3), "ttft_p50_s": round(percentile(ttft, 50), 3),

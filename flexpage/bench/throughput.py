@@ -46,8 +46,8 @@ from transformers import GenerationConfig, LogitsProcessorList
 import flexpage
 from flexpage import zoo
 from flexpage.bench.measure import (
-    TokenClock, add_run_arguments, caption, finish_axes, save_figure, machine_info, matmul_probe_ms, out_dir,
-    write_records)
+    TokenClock, add_run_arguments, caption, engine_generate, finish_axes, save_figure, machine_info, matmul_probe_ms,
+    out_dir, write_records)
 
 
 def make_workload(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int, seed: int):
@@ -84,11 +84,10 @@ def run_engine(engine: flexpage.Engine, prompts, outputs, name: str = "flexpage_
     engine.cache.page_table.clear_prefix_cache()  # no run may reuse an earlier run's pages
     engine.reset_stats()
     start = time.perf_counter()
-    results = engine.generate(prompts, max_new_tokens=outputs, progress=True)
+    results, ttft = engine_generate(engine, prompts, outputs)
     seconds = time.perf_counter() - start
     assert [len(r) for r in results] == outputs
     stats = engine.stats()
-    ttft = [engine.first_token_seconds[i] for i in sorted(engine.first_token_seconds)]
     trace = [{"t": round(h.time - start, 4), "kv_utilisation": round(h.kv_utilisation, 4), "pages_used": h.pages_used,
               "decode_tokens": h.decode_tokens, "prefill_tokens": h.prefill_tokens} for h in engine.history]
     record = summary(name, seconds, outputs, ttft, batch_size=engine.scheduler.max_batch_size,

@@ -245,8 +245,6 @@ class EngineRunner:
         """Forget an ended output; the request is counted as finished once its last output ends."""
         request = self._owners.pop(index)[0]
         self._last_token.pop(index, None)
-        for record in (self.engine.first_token_seconds, self.engine.cached_prompt_tokens, self.engine.finish_reasons):
-            record.pop(index, None)
         request.reasons.add(reason)
         request.live -= 1
         if request.live == 0:
@@ -257,28 +255,29 @@ class EngineRunner:
         engine = self.engine
         preemptions = engine.preemptions
         try:
-            produced = engine.step()
+            records = engine.step()
         except StepFailedError as error:  # fail the step's requests, free their pages, serve the others
             self._fail(error.requests, f"the step serving this request failed: {error.__cause__!r}",
                        "engine_step_failed")
             return
         now = time.perf_counter()
-        for index, token in produced:
+        for record in records:
+            index = record.index
             if index not in self._owners:  # aborted since
                 continue
+            if record.error is not None:  # the engine aborted it already
+                self._fail([index], f"this request failed: {record.error}", "request_failed")
+                continue
             request = self._owners[index][0]
-            reason = engine.finish_reasons.get(index)
             first = index not in self._last_token
             self.metrics.token(now - (request.arrival if first else self._last_token[index]), first)
             self._last_token[index] = now
-            cached = engine.cached_prompt_tokens.get(index, 0) if first and index == request.first else 0
+            cached = (record.cached_tokens or 0) if index == request.first else 0
             self.metrics.prefix_hits(cached)  # the prompt's cache hits, once per request (with sample 0)
-            self._send(index, token=token, logprobs=engine.step_logprobs.get(index), finish_reason=reason,
+            self._send(index, token=record.token, logprobs=record.logprobs, finish_reason=record.finish_reason,
                        cached_tokens=cached)
-            if reason is not None:
-                self._end(index, reason)
-        for index, why in engine.failed.items():  # already aborted by the engine
-            self._fail([index], f"this request failed: {why}", "request_failed")
+            if record.finish_reason is not None:
+                self._end(index, record.finish_reason)
         self._report(engine.preemptions - preemptions)
 
     def _fail(self, indices: list[int], message: str, code: str) -> None:
