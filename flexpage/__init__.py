@@ -6,7 +6,7 @@ from .cache import CacheStats, PagedKVCache
 from .engine import Engine, EngineStats, SamplingParams, StepOutput, TokenLogprobs
 from .errors import (FlexpageError, InvalidRequestError, OutOfPagesError, RequestFailedError, StepFailedError,
                      UnsupportedModelError)
-from .hf import unwrap, wrap
+from .hf import PagedState, paged_state, unwrap, wrap
 from .masks import PackedBlockMask, PagedBlockMask, SequenceKV, build_block_mask, paged_mask_mod, paged_score_mod
 from .pages import PackedPlan, PageTable, StepPlan
 
@@ -22,6 +22,7 @@ __all__ = [
     "PageTable",
     "PagedBlockMask",
     "PagedKVCache",
+    "PagedState",
     "RequestFailedError",
     "SamplingParams",
     "SequenceKV",
@@ -36,6 +37,7 @@ __all__ = [
     "packed_attention",
     "paged_attention",
     "paged_mask_mod",
+    "paged_state",
     "paged_score_mod",
     "sequence_attention",
     "unwrap",

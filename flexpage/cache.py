@@ -167,7 +167,7 @@ class PagedKVCache(Cache):
         """
         check_packed_layout(len(decode_rows), [n for _, n in chunks], decode_len, chunk_len, chunk_block)
         self._extend([*decode_rows, *(row for row, _ in chunks)], [1] * len(decode_rows) + [n for _, n in chunks])
-        self.step = self.page_table._packed(decode_rows, chunks, decode_len, chunk_len, chunk_block)
+        self.step = self.page_table.plan_packed(decode_rows, chunks, decode_len, chunk_len, chunk_block)
         return self.step
 
     def _extend(self, rows: Sequence[int], new_tokens: Sequence[int]) -> None:

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from .errors import InvalidRequestError, RequestFailedError
-from .hf import wrap
+from .hf import paged_state, wrap
 from .model_runner import ModelRunner
 from .parallel import RankSync
 from .requests import SamplingParams, StepOutput, TokenLogprobs
@@ -99,10 +99,10 @@ class Engine:
         self.model = wrap(model, page_size=page_size, max_cached_tokens=max_cached_tokens,
                           max_batch_size=max_batch_size, max_seq_len=max_seq_len, few_row_linears=few_row_linears,
                           pack_weights=pack_weights)
-        self.cache = model._flexpage.cache
+        state = paged_state(self.model)
+        self.cache = state.cache
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(self.model, self.cache, model._flexpage.cache_argument, max_batch_size,
-                                  max_tokens_per_step)
+        self.runner = ModelRunner(self.model, self.cache, state.cache_argument, max_batch_size, max_tokens_per_step)
         self.scheduler = Scheduler(self.cache, max_batch_size, max_tokens_per_step, self.runner.chunk_block,
                                    prefix_caching)
         self.warmup_seconds = 0.0
@@ -304,7 +304,7 @@ class Engine:
         return self.warmup_seconds
 
     def stats(self) -> EngineStats:
-        linears = getattr(self.model._flexpage, "linears", None)  # None once the model is unwrapped
+        linears = getattr(paged_state(self.model), "linears", None)  # None once the model is unwrapped
         return EngineStats(
             steps=self._steps,
             forward_launches=self._steps,

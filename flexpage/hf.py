@@ -52,7 +52,10 @@ UNSUPPORTED_FLAGS = {
 
 
 @dataclass
-class _Wrapped:
+class PagedState:
+    """What ``wrap`` keeps on a model (``paged_state(model)``): its paged cache, the stock settings
+    ``unwrap`` restores, the forward's name for the cache, the CPU linear kernels."""
+
     cache: PagedKVCache
     stock_implementation: str
     hook: RemovableHandle
@@ -129,7 +132,7 @@ def wrap(
     linears = FewRowLinears(model, _is_paged_call) if few_row_linears else None
     if linears is not None and (pack_weights or pack_weights is None and linears.packing_fits()):
         linears.pack(max_batch_size)
-    model._flexpage = _Wrapped(cache, stock, hook, model.generation_config.compile_config, cache_argument(model), linears)
+    model._flexpage = PagedState(cache, stock, hook, model.generation_config.compile_config, cache_argument(model), linears)
     if compile_decode:
         for layer in cache.layers:
             layer.is_compileable = True  # transformers compiles decode forwards only for such caches
@@ -143,9 +146,15 @@ def wrap(
     return model
 
 
+def paged_state(model: PreTrainedModel) -> PagedState | None:
+    """The state ``wrap`` gave ``model`` (its ``cache``, ``cache_argument``, ``linears``), or None if
+    it is not wrapped."""
+    return getattr(model, "_flexpage", None)
+
+
 def unwrap(model: PreTrainedModel) -> PreTrainedModel:
     """Undo ``wrap``: stock attention, stock ``generate``, the cache released."""
-    state = getattr(model, "_flexpage", None)
+    state = paged_state(model)
     if state is None:
         return model
     state.hook.remove()

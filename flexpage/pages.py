@@ -398,29 +398,16 @@ class PageTable:
         self.page_keys.clear()
         self.key_pages.clear()
 
-    def plan_packed(
-        self,
-        decode_rows: Sequence[int],
-        chunks: Sequence[tuple[int, int]],
-        decode_len: int,
-        chunk_len: int,
-        chunk_block: int,
-    ) -> PackedPlan:
-        """Describe a ragged step whose tokens were just added by ``extend``.
+    def plan_packed(self, decode_rows: Sequence[int], chunks: Sequence[tuple[int, int]], decode_len: int,
+                    chunk_len: int, chunk_block: int) -> PackedPlan:
+        """Describe a ragged step whose tokens were just added by ``extend``, in a layout the caller
+        checked with ``check_packed_layout`` before extending (``PagedKVCache.begin_packed_step``).
 
         ``decode_rows`` each feed their last token; ``chunks`` are ``(row, num_tokens)`` prefill
         chunks ending at the row's last token. The decode tokens are attended as ``decode_len``
         one-token rows, the chunk region is ``chunk_len`` positions (both bucketed by the caller,
         so compiled shapes repeat).
         """
-        check_packed_layout(len(decode_rows), [n for _, n in chunks], decode_len, chunk_len, chunk_block)
-        for row in (*decode_rows, *(row for row, _ in chunks)):
-            self._pages(row)  # ValueError for a row holding no sequence
-        return self._packed(decode_rows, chunks, decode_len, chunk_len, chunk_block)
-
-    def _packed(self, decode_rows: Sequence[int], chunks: Sequence[tuple[int, int]], decode_len: int,
-                chunk_len: int, chunk_block: int) -> PackedPlan:
-        """``plan_packed`` for a layout already checked (``PagedKVCache.begin_packed_step``)."""
         q_len, lens = len(decode_rows) + chunk_len, self.seq_lens
         rows, positions = [0] * q_len, [-1] * q_len
         rows[: len(decode_rows)] = decode_rows

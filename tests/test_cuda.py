@@ -52,8 +52,8 @@ def test_wrap_greedy_matches_stock_on_cuda(arch):
     stock = zoo.build(f"{arch}-tiny").cuda()
     paged = flexpage.wrap(zoo.build(f"{arch}-tiny").cuda(), max_cached_tokens=4096)
     assert torch.equal(greedy(paged, ids, mask, 24), greedy(stock, ids, mask, 24))
-    assert all(layer.keys.is_cuda for layer in paged._flexpage.cache.layers)
-    assert paged._flexpage.cache.page_size == 16  # the default off the CPU: FlexAttention's smallest CUDA tile
+    assert all(layer.keys.is_cuda for layer in flexpage.paged_state(paged).cache.layers)
+    assert flexpage.paged_state(paged).cache.page_size == 16  # the default off the CPU: FlexAttention's smallest CUDA tile
 
 
 def test_compiled_decode_matches_stock_on_cuda():

@@ -62,14 +62,14 @@ def test_greedy_generate_matches_stock(arch, paged_calls):
         assert torch.equal(got, expected)
         forwards += got.shape[1] - width  # one forward per generated token
     assert len(paged_calls) == forwards * paged.config.num_hidden_layers  # every layer ran paged
-    assert paged._flexpage.cache.stats().pages_used == 0  # pages released when generate returns
+    assert flexpage.paged_state(paged).cache.stats().pages_used == 0  # pages released when generate returns
 
 
 def test_sampling_eos_and_max_new_tokens_match_stock(paged_calls):
     stock = zoo.build("llama-tiny")
     paged = flexpage.wrap(zoo.build("llama-tiny"))
-    assert paged._flexpage.cache.page_size == 64  # the default on CPU: larger KV blocks (16 elsewhere)
-    assert flexpage.wrap(zoo.build("llama-tiny"), max_cached_tokens=32)._flexpage.cache.page_size == 16  # 2 pages
+    assert flexpage.paged_state(paged).cache.page_size == 64  # the default on CPU: larger KV blocks (16 elsewhere)
+    assert flexpage.paged_state(flexpage.wrap(zoo.build("llama-tiny"), max_cached_tokens=32)).cache.page_size == 16  # 2 pages
     ids, mask = prompts()
     for seed in (0, 1):
         torch.manual_seed(seed)
@@ -132,7 +132,7 @@ def test_out_of_pages_raises_before_overwriting_and_next_call_succeeds():
     small = flexpage.wrap(zoo.build("llama-tiny"), max_cached_tokens=64)
     with pytest.raises(OutOfPagesError):
         greedy(small, ids, mask, max_new_tokens=10)
-    assert small._flexpage.cache.stats().pages_used == 0
+    assert flexpage.paged_state(small).cache.stats().pages_used == 0
     ids2, mask2 = prompts((20,))
     assert torch.equal(greedy(small, ids2, mask2, max_new_tokens=10), greedy(stock, ids2, mask2, max_new_tokens=10))
 
@@ -192,14 +192,14 @@ def test_plain_forward_while_wrapped_and_unwrap_restore_stock():
 
 def test_cache_is_reused_and_released_over_100_calls():
     model = flexpage.wrap(zoo.build("llama-tiny"), max_cached_tokens=1024)
-    cache = model._flexpage.cache
+    cache = flexpage.paged_state(model).cache
     pointers = [layer.keys.data_ptr() for layer in cache.layers]
     ids, mask = prompts((9, 3))
     for _ in range(100):
         greedy(model, ids, mask, max_new_tokens=3)
         stats = cache.stats()
         assert stats.pages_used == 0 and stats.live_tokens == 0 and cache.batch_rows == []
-    assert model._flexpage.cache is cache and [layer.keys.data_ptr() for layer in cache.layers] == pointers
+    assert flexpage.paged_state(model).cache is cache and [layer.keys.data_ptr() for layer in cache.layers] == pointers
 
 
 def test_device_map_keeps_each_layers_pools_on_its_device():
@@ -210,7 +210,7 @@ def test_device_map_keeps_each_layers_pools_on_its_device():
     device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "cpu",
                   "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
     model = flexpage.wrap(dispatch_model(model, device_map=device_map))
-    for i, layer in enumerate(model._flexpage.cache.layers):
+    for i, layer in enumerate(flexpage.paged_state(model).cache.layers):
         assert layer.keys.device == model.model.layers[i].self_attn.q_proj.weight.device
     ids, mask = prompts((7, 20))
     assert torch.equal(greedy(model, ids, mask, max_new_tokens=8), greedy(stock, ids, mask, max_new_tokens=8))
@@ -229,7 +229,7 @@ def test_layers_offloaded_to_cpu_and_disk_get_pools_where_they_run(tmp_path):
                                                  offload_folder=str(tmp_path / "offload")).eval()
     assert model.model.layers[1].self_attn.q_proj.weight.device.type == "meta"  # really offloaded
     model = flexpage.wrap(model)
-    assert [layer.keys.device.type for layer in model._flexpage.cache.layers] == ["cpu", "cpu"]
+    assert [layer.keys.device.type for layer in flexpage.paged_state(model).cache.layers] == ["cpu", "cpu"]
     ids, mask = prompts((7, 20))
     assert torch.equal(greedy(model, ids, mask, max_new_tokens=8), greedy(stock, ids, mask, max_new_tokens=8))
 
@@ -253,7 +253,7 @@ def test_right_padding_is_rejected_and_leaves_cache_empty():
     ids, mask = prompts((5, 9))
     with pytest.raises(ValueError, match="left padding"):
         greedy(model, ids.flip(1), mask.flip(1), max_new_tokens=2)
-    assert model._flexpage.cache.stats().pages_used == 0
+    assert flexpage.paged_state(model).cache.stats().pages_used == 0
 
 
 def test_beam_search_and_multiple_return_sequences_match_stock():

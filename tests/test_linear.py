@@ -153,15 +153,15 @@ def test_packed_copies_are_taken_once_and_follow_the_weights(fresh_choices):
 def _recording(model):
     """Record, at every call of the model's first linear layer, whether the few-row path was on."""
     seen = []
-    layer = model._flexpage.linears.layers[0]
-    layer.register_forward_hook(lambda *_: seen.append(model._flexpage.linears.active))
+    layer = flexpage.paged_state(model).linears.layers[0]
+    layer.register_forward_hook(lambda *_: seen.append(flexpage.paged_state(model).linears.active))
     return seen
 
 
 def test_only_paged_forwards_use_few_row_linears_and_unwrap_restores_the_layers():
     stock = zoo.build("llama-tiny")
     model = flexpage.wrap(zoo.build("llama-tiny"))
-    linears = model._flexpage.linears
+    linears = flexpage.paged_state(model).linears
     assert len(linears.layers) == sum(type(m) is torch.nn.Linear for m in model.modules()) > 0
     seen = _recording(model)
     ids = torch.randint(3, 200, (2, 12))
@@ -184,7 +184,7 @@ def test_flag_is_cleared_when_a_paged_forward_raises():
     model.model.layers[-1].register_forward_pre_hook(fail)
     with pytest.raises(RuntimeError, match="layer failed"):
         model.generate(torch.randint(3, 200, (1, 8)), max_new_tokens=2, do_sample=False, pad_token_id=0)
-    assert not model._flexpage.linears.active
+    assert not flexpage.paged_state(model).linears.active
 
 
 def test_layers_replaced_by_others_are_left_alone_and_the_option_turns_it_off():
@@ -192,9 +192,9 @@ def test_layers_replaced_by_others_are_left_alone_and_the_option_turns_it_off():
     hooked = model.lm_head
     hooked.forward = lambda x: F.linear(x, hooked.weight)  # as accelerate's offload hooks do
     flexpage.wrap(model)
-    assert hooked not in model._flexpage.linears.layers and hooked.forward.__name__ == "<lambda>"
+    assert hooked not in flexpage.paged_state(model).linears.layers and hooked.forward.__name__ == "<lambda>"
     off = flexpage.wrap(zoo.build("llama-tiny"), few_row_linears=False)
-    assert off._flexpage.linears is None and all("forward" not in vars(m) for m in off.modules())
+    assert flexpage.paged_state(off).linears is None and all("forward" not in vars(m) for m in off.modules())
     elsewhere, here = torch.nn.Linear(4, 4, device="meta"), torch.nn.Linear(4, 4)  # off the CPU: left alone
     assert FewRowLinears(torch.nn.Sequential(elsewhere, here), lambda kwargs: True).layers == [here]
     assert "forward" not in vars(elsewhere)

@@ -54,3 +54,18 @@ def test_wheel_has_one_top_level_package(tmp_path):
     assert "flexpage/configs/llama-small.json" in names  # the zoo works from an installed wheel
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "flexpage = flexpage.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def test_no_module_reads_the_wrapped_state_or_the_page_tables_internals():
+    """The state ``wrap`` keeps is reached through ``flexpage.paged_state`` outside ``hf.py``, the
+    page table through its public methods, and the server through the Engine's public API."""
+    offenders = []
+    for path in sorted((ROOT / "flexpage").rglob("*.py")) + sorted((ROOT / "tests").glob("*.py")):
+        text = path.read_text()
+        where = path.relative_to(ROOT)
+        if path.name != "hf.py" and "._flexpage" in text and path.name != "test_repository.py":
+            offenders.append(f"{where}: _flexpage")
+        offenders += [f"{where}: {m}" for m in re.findall(r"page_table\._\w+", text) if path.name != "test_repository.py"]
+        if "serve" in path.parts:
+            offenders += [f"{where}: {m}" for m in re.findall(r"engine\.(?:_\w+|scheduler)", text)]
+    assert not offenders, offenders

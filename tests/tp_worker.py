@@ -31,7 +31,7 @@ mask[1, :9] = 0
 model = load()
 stock = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
 flexpage.wrap(model, max_cached_tokens=1024)
-result["pool_shape"] = list(model._flexpage.cache.layers[0].keys.shape)
+result["pool_shape"] = list(flexpage.paged_state(model).cache.layers[0].keys.shape)
 result["wrap"] = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0).tolist()
 result["wrap_stock_tp"] = stock.tolist()
 

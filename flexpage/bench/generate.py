@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
         start = time.perf_counter()
         outputs[name] = model.generate(ids, **kwargs)
         seconds[name] = time.perf_counter() - start
-    cache = paged._flexpage.cache
+    cache = flexpage.paged_state(paged).cache
     print(f"model: {model_name}  prompts: {args.prompt_lengths}  new tokens: {args.new_tokens}")
     for name, s in seconds.items():
         print(f"  {name:<34} {s:7.2f} s")

@@ -64,7 +64,7 @@ def build_configs(model_name: str, max_len: int, page_size: int | None, device: 
     paged = flexpage.wrap(load(), max_cached_tokens=max_len, **pages)
     paged_stock_linears = flexpage.wrap(load(), max_cached_tokens=max_len, few_row_linears=False, **pages)
     compiled_paged = flexpage.wrap(load(), max_cached_tokens=max_len, compile_decode=True, **pages)
-    pool_bytes = sum(layer.keys.numel() * 2 * layer.keys.element_size() for layer in paged._flexpage.cache.layers)
+    pool_bytes = sum(layer.keys.numel() * 2 * layer.keys.element_size() for layer in flexpage.paged_state(paged).cache.layers)
     engine = flexpage.Engine(load(), max_cached_tokens=max_len, max_batch_size=max(8, batch), max_tokens_per_step=512,
                              prefix_caching=False, **pages)  # repeats recompute
     flex = load(attn_implementation="flex_attention")

@@ -48,7 +48,7 @@ def worker(model_dir: str, tp: int, length: int, new_tokens: int, repeats: int, 
                        logits_processor=LogitsProcessorList([clock]))
         gaps = [b - a for a, b in zip(clock.times, clock.times[1:])]
         runs.append(((clock.times[0] - start) * 1e3, statistics.median(gaps) * 1e3))
-    cache = model._flexpage.cache
+    cache = flexpage.paged_state(model).cache
     kv_bytes = 2 * len(cache.layers) * cache.num_kv_heads * cache.head_dim * cache.dtype.itemsize
     if dist.get_rank() == 0:
         with open(result, "w") as f:
