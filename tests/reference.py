@@ -1,5 +1,6 @@
-"""Shared test helpers: fill a paged cache from contiguous tensors, reference attention, and stock
-``generate()`` with the logit penalties and bias a request may ask for."""
+"""Shared test helpers: fill a paged cache from contiguous tensors, reference attention, stock
+``generate()`` (greedy, with the logit penalties and bias a request may ask for, and the
+distribution its sampling warpers leave), and the tiny Engine the engine tests share."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import random
 import torch
 import torch.nn.functional as F
 from transformers import LogitsProcessor, LogitsProcessorList
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import flexpage
-from flexpage import masks
+from flexpage import masks, zoo
+from flexpage.sampling import sample_tokens
 
 GARBAGE = 1e4  # what unwritten slots hold: any read of one shows up as a huge error
 
@@ -112,3 +115,60 @@ def stock_adjusted(model, prompt, new_tokens, repetition_penalty=1.0, presence_p
                          eos_token_id=eos_token_id, repetition_penalty=repetition_penalty, sequence_bias=bias,
                          min_new_tokens=min_new_tokens, logits_processor=LogitsProcessorList(extra))
     return out[0, len(prompt) :].tolist()
+
+
+VOCAB = 256  # the tiny configs' vocabulary
+LENGTHS = (5, 37, 130, 64, 17, 200, 3, 90)
+NEW_TOKENS = (12, 5, 20, 9, 30, 7, 15, 11)
+
+
+def workload(lengths=LENGTHS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def stock_greedy(model, prompt, new_tokens):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+def make_engine(arch="llama", **kwargs):
+    options = dict(page_size=16, max_cached_tokens=2048, max_batch_size=8, max_tokens_per_step=128) | kwargs
+    return flexpage.Engine(zoo.build(f"{arch}-tiny"), **options)
+
+
+def warped_probs(logits, temperature, top_k, top_p):
+    """The reference: the distribution ``generate()`` samples from, one row at a time."""
+    rows = []
+    for row, t, k, p in zip(logits, temperature, top_k, top_p):
+        warpers = LogitsProcessorList([TemperatureLogitsWarper(t)] if t != 1.0 else [])
+        if k is not None:
+            warpers.append(TopKLogitsWarper(k))
+        if p is not None and p < 1.0:
+            warpers.append(TopPLogitsWarper(p))
+        rows.append(warpers(torch.zeros(1, 1, dtype=torch.long), row[None].float()).softmax(-1)[0])
+    return torch.stack(rows)
+
+
+SETTINGS = [  # (temperature, top_k, top_p) per row
+    (1.0, 50, None), (0.7, None, 0.9), (1.3, 20, 0.8), (0.5, 1, None), (1.0, None, 0.5), (2.0, 5000, 0.95),
+    (0.3, 30, 1.0),
+]
+
+
+def assert_draws_follow_the_warpers(device: str) -> None:
+    """3000 seeded draws of ``SETTINGS`` rows (and a plain one) on ``device``: a removed token is
+    never drawn, the others as often as the warpers' probabilities say."""
+    torch.manual_seed(0)
+    logits = torch.randn(len(SETTINGS) + 1, 12) * 2  # the last row: plain sampling over the whole vocabulary
+    settings = SETTINGS + [(1.0, None, None)]
+    temperature, top_k, top_p = zip(*settings)
+    expected = warped_probs(logits, temperature, top_k, top_p)
+    draws = 3000
+    generator = torch.Generator(device=device).manual_seed(1)
+    logits = logits.to(device)
+    tokens = torch.tensor([sample_tokens(logits, temperature, top_k, top_p, [generator] * len(settings))
+                           for _ in range(draws)])  # [draws, rows]
+    counts = torch.stack([torch.bincount(tokens[:, r], minlength=12) for r in range(len(settings))])
+    assert not bool(counts[expected == 0].any())  # a removed token is never drawn
+    assert (counts / draws - expected).abs().max() < 0.035  # ~4 standard deviations at 3000 draws

@@ -13,6 +13,8 @@ from flexpage import cli, zoo
 from flexpage.bench.measure import add_run_arguments, out_dir
 from notebook_runner import run_notebook
 
+pytestmark = pytest.mark.slow  # servers, subprocesses or notebooks
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 

@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from flexpage.compile import compile_static
+
+pytestmark = pytest.mark.slow  # servers, subprocesses or notebooks
 
 
 def _shifted(x, mod):
@@ -60,7 +63,7 @@ def test_graphs_follow_argument_shapes_and_the_constants_mods_capture():
 CHILD = r"""
 import json, sys, torch
 from torch._inductor import cpu_vec_isa
-from test_attention import run_case
+from attention_cases import run_case
 from flexpage.compile import graph_counts
 probes = []
 probe = cpu_vec_isa.VecISA._probe_load

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_attention import run_case
-from test_sampling import assert_draws_follow_the_warpers
+from attention_cases import run_case
+from reference import assert_draws_follow_the_warpers
 
 import flexpage
 from flexpage import sampling, zoo

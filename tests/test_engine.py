@@ -12,22 +12,7 @@ import flexpage
 from flexpage import engine as engine_module, linear, model_runner, zoo
 from flexpage import InvalidRequestError
 from flexpage.bench.measure import compiled_graphs
-from reference import stock_adjusted
-
-VOCAB = 256  # the tiny configs' vocabulary
-LENGTHS = (5, 37, 130, 64, 17, 200, 3, 90)
-NEW_TOKENS = (12, 5, 20, 9, 30, 7, 15, 11)
-
-
-def workload(lengths=LENGTHS, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
-
-
-def stock_greedy(model, prompt, new_tokens):
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt) :].tolist()
-
+from reference import LENGTHS, NEW_TOKENS, VOCAB, make_engine, stock_adjusted, stock_greedy, workload
 
 @pytest.fixture(scope="module")
 def stock_llama():
@@ -37,11 +22,6 @@ def stock_llama():
 @pytest.fixture(scope="module")
 def expected(stock_llama):
     return [stock_greedy(stock_llama, p, n) for p, n in zip(workload(), NEW_TOKENS)]
-
-
-def make_engine(arch="llama", **kwargs):
-    options = dict(page_size=16, max_cached_tokens=2048, max_batch_size=8, max_tokens_per_step=128) | kwargs
-    return flexpage.Engine(zoo.build(f"{arch}-tiny"), **options)
 
 
 def test_mixed_workload_matches_stock(expected):

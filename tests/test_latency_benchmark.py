@@ -4,9 +4,13 @@ import json
 import math
 import os
 
+import pytest
+
 from notebook_runner import run_notebook
 
 from flexpage import zoo
+
+pytestmark = pytest.mark.slow  # servers, subprocesses or notebooks
 
 CONFIGS = {"flexpage", "flexpage_stock_linears", "flexpage_compiled", "flexpage_engine", "stock_dynamic_sdpa", "stock_flex_attention", "stock_static", "stock_static_compiled",
            "stock_no_cache"}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine import VOCAB, make_engine, stock_greedy
+from reference import VOCAB, make_engine, stock_greedy
 
 from flexpage import zoo
 

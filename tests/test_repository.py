@@ -45,6 +45,7 @@ def test_notebooks_cover_every_benchmark():
     assert {p.stem for p in NOTEBOOKS} == {"latency_vs_length", "throughput", "prefix_sharing", "paged_attention"}
 
 
+@pytest.mark.slow
 def test_wheel_has_one_top_level_package(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(tmp_path), str(ROOT)],
                    check=True, timeout=600, capture_output=True)

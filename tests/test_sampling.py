@@ -3,12 +3,8 @@ rows, transformers' own warpers + softmax for sampled ones."""
 
 import pytest
 import torch
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+
+from reference import SETTINGS, assert_draws_follow_the_warpers, warped_probs
 
 from flexpage import sampling
 from flexpage.sampling import greedy_tokens, kept_candidates, sample_tokens, top_p_filtered
@@ -30,25 +26,6 @@ def test_greedy_tokens_equal_argmax_with_ties_and_nans(rows, vocab, dtype):
         logits[1, [vocab // 2, 3]] = float("nan")  # the first NaN wins, as in argmax
         logits[2, vocab - 1] = 100.0  # the maximum in the last, partial block
     assert greedy_tokens(logits) == logits.argmax(-1).tolist()
-
-
-def warped_probs(logits, temperature, top_k, top_p):
-    """The reference: the distribution ``generate()`` samples from, one row at a time."""
-    rows = []
-    for row, t, k, p in zip(logits, temperature, top_k, top_p):
-        warpers = LogitsProcessorList([TemperatureLogitsWarper(t)] if t != 1.0 else [])
-        if k is not None:
-            warpers.append(TopKLogitsWarper(k))
-        if p is not None and p < 1.0:
-            warpers.append(TopPLogitsWarper(p))
-        rows.append(warpers(torch.zeros(1, 1, dtype=torch.long), row[None].float()).softmax(-1)[0])
-    return torch.stack(rows)
-
-
-SETTINGS = [  # (temperature, top_k, top_p) per row
-    (1.0, 50, None), (0.7, None, 0.9), (1.3, 20, 0.8), (0.5, 1, None), (1.0, None, 0.5), (2.0, 5000, 0.95),
-    (0.3, 30, 1.0),
-]
 
 
 @pytest.mark.parametrize("vocab, spread", [(1000, 3.0), (8000, 0.1)])  # peaked; flat
@@ -121,24 +98,6 @@ def test_draws_follow_the_warped_distribution_and_never_removed_tokens(tries, fi
     monkeypatch.setattr(sampling, "FIRST_WIDTH", first_width)
     monkeypatch.setattr(sampling, "MANY_ROWS", many_rows)
     assert_draws_follow_the_warpers("cpu")
-
-
-def assert_draws_follow_the_warpers(device: str) -> None:
-    """3000 seeded draws of ``SETTINGS`` rows (and a plain one) on ``device``: a removed token is
-    never drawn, the others as often as the warpers' probabilities say."""
-    torch.manual_seed(0)
-    logits = torch.randn(len(SETTINGS) + 1, 12) * 2  # the last row: plain sampling over the whole vocabulary
-    settings = SETTINGS + [(1.0, None, None)]
-    temperature, top_k, top_p = zip(*settings)
-    expected = warped_probs(logits, temperature, top_k, top_p)
-    draws = 3000
-    generator = torch.Generator(device=device).manual_seed(1)
-    logits = logits.to(device)
-    tokens = torch.tensor([sample_tokens(logits, temperature, top_k, top_p, [generator] * len(settings))
-                           for _ in range(draws)])  # [draws, rows]
-    counts = torch.stack([torch.bincount(tokens[:, r], minlength=12) for r in range(len(settings))])
-    assert not bool(counts[expected == 0].any())  # a removed token is never drawn
-    assert (counts / draws - expected).abs().max() < 0.035  # ~4 standard deviations at 3000 draws
 
 
 def test_each_row_draws_from_its_own_generator():

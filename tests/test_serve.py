@@ -27,6 +27,8 @@ from http_helpers import (ENGINE_OPTIONS, fetch, fetch_response, free_socket, pr
                           wait_until)
 from reference import stock_adjusted
 
+pytestmark = pytest.mark.slow  # servers, subprocesses or notebooks
+
 MODEL = "llama-tiny"
 BIN = Path(sys.executable).parent
 

@@ -8,6 +8,10 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
+pytestmark = pytest.mark.slow  # servers, subprocesses or notebooks
+
 BIN = Path(sys.executable).parent
 
 

@@ -30,6 +30,8 @@ from flexpage.serve.runner import EngineFailedError
 from http_helpers import (ENGINE_OPTIONS, app_on_loopback, fetch, fetch_response, free_socket, health_probe,
                           prompt_ids, served_model, wait_until)
 
+pytestmark = pytest.mark.slow  # servers, subprocesses or notebooks
+
 MODEL = "llama-tiny"
 # /health answers within this whatever else the server does: well under what tokenising a body at the
 # size limit on the event loop would take, above the scheduling noise of a small shared machine

@@ -15,6 +15,8 @@ from http_helpers import running_server
 import flexpage
 from flexpage import UnsupportedModelError, zoo
 
+pytestmark = pytest.mark.slow  # servers, subprocesses or notebooks
+
 WORKER = Path(__file__).with_name("tp_worker.py")
 
 

@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from notebook_runner import run_notebook
+
+pytestmark = pytest.mark.slow  # servers, subprocesses or notebooks
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"flexpage_engine", "flexpage_engine_first_run", "flexpage_engine_stock_linears", "flexpage_engine_unpacked",
