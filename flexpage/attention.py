@@ -91,8 +91,7 @@ def query_group(query: Tensor, key_pool: Tensor) -> int:
     """Query heads per KV head to lay along the query axis of one-token rows (``rows_attention``).
 
     On CPU, eagerly, with grouped-query attention: inductor's FlexAttention template then reads
-    each KV block once per KV head instead of once per query head (measured for 32 rows of
-    ~1000 tokens, ``llama-small`` heads 8/2: 5.1 -> 3.2 ms a layer at page size 16). Elsewhere 1:
+    each KV block once per KV head instead of once per query head. Elsewhere 1:
     the GPU decode kernel groups heads itself, and a compiled forward receives its masks ready.
     """
     heads, kv_heads = query.shape[1], key_pool.shape[1]
@@ -129,8 +128,7 @@ def fresh_prefill_attention(
     columns (left padding); ``window`` restricts to a causal sliding window. A batch without
     padding is one causal call over its keys gathered back from their slots; a left-padded one
     is attended row by row over each row's own tokens in the pools (``prefill_kvs``, as the
-    Engine attends its prefill chunks: the padding is neither computed nor masked; ``llama-small``'s
-    8 x 1024 prompts of 576-1024 tokens, 70 instead of 170 ms a layer); padding queries get zeros
+    Engine attends its prefill chunks: the padding is neither computed nor masked); padding queries get zeros
     (their outputs are never used; this keeps them finite).
     """
     plan = block_mask.plan
@@ -267,12 +265,10 @@ def sdpa_over_pages(device: torch.device, cap: float | None, sequences: int) -> 
     pages (``sequence_attention``) instead of FlexAttention: on CPU, eagerly, for a lone
     sequence of a layer without a score mod (SDPA has none). Prefill chunks take one call each.
 
-    Measured on CPU (one layer, small-Llama heads): for one decode token SDPA is about 2x
-    faster than the FlexAttention template and skips the compiled call's per-call dispatch,
-    which at batch 1 costs as much as the attention; a 512-token chunk after 1024 cached
-    tokens takes FlexAttention 2.6x SDPA's time. For a batch of decode tokens, gathering every
-    sequence's keys to a common width costs 1.2-5x the FlexAttention call, which reads each
-    sequence's own pages, and a call per token would multiply the dispatch.
+    On CPU, for one decode token or one prefill chunk, SDPA is faster than the FlexAttention
+    template and skips the compiled call's per-call dispatch. For a batch of decode tokens,
+    gathering every sequence's keys to a common width costs more than the FlexAttention call,
+    which reads each sequence's own pages, and a call per token would multiply the dispatch.
     """
     return sequences == 1 and cap is None and device.type == "cpu" and not torch.compiler.is_compiling()
 

@@ -4,8 +4,8 @@
 arguments (tensor shapes, strides, dtypes and devices, the code and captured constants of mod
 functions, plain values) and dispatches to it directly. Each graph is compiled with
 ``torch.compile(...).aot_compile`` and saved next to inductor's cache, so a later process loads
-it in milliseconds instead of re-tracing it with dynamo (about 0.3 s per function and shape on
-our CPU), and a call skips dynamo's guard evaluation (which cost half of a decode attention call).
+it in milliseconds instead of re-tracing it with dynamo, and a call skips dynamo's guard
+evaluation (a large share of a short decode attention call).
 The signature holds everything dynamo would guard on for these functions; tensors captured by
 mods are read afresh at each call, exactly as the traced code reads them. One difference from
 dynamo: a Python number a mod reads from a *global* (not its closure) is baked into the graph

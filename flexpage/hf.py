@@ -39,8 +39,8 @@ from .pages import cdiv
 
 FALLBACKS = {"sdpa": "flexpage", "eager": "flexpage_eager"}  # stock implementation -> our name
 # wrap's page size when none is given: a KV block is a page, and the CPU FlexAttention template pays
-# per block (llama-small, batch 8, decode ms per token at 128 / 1024 cached tokens, AMD EPYC: pages
-# of 16 29.2 / 40.0, of 64 27.7 / 32.1); elsewhere 16, FlexAttention's smallest CUDA tile
+# per block, so larger pages decode faster there (the README's figures); elsewhere 16, FlexAttention's
+# smallest CUDA tile
 CPU_PAGE_SIZE, PAGE_SIZE = 64, 16
 SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
 # Config flags whose attention flexpage does not reproduce (attribute -> what it means).
@@ -92,16 +92,14 @@ def wrap(
 
     ``few_row_linears`` (the default) lets the linear layers of paged forwards on the CPU, when
     they get 1-65536 rows, take whichever of MKL's ``x @ W.T``, MKL's ``(W @ x.T).T`` and oneDNN's
-    matmul measured fastest for that weight shape and row count on this CPU (``flexpage.linear``:
-    speeds differ by 2-5x between them, in opposite directions on AMD and Intel cores; last-bit
-    differences, as paged attention has); the model's plain forwards are untouched. With
+    matmul measured fastest for that weight shape and row count on this CPU (``flexpage.linear``;
+    last-bit differences, as paged attention has); the model's plain forwards are untouched. With
     ``compile_decode`` the kernels are timed when wrapping (each weight shape at 1 to
     ``max_batch_size`` rows, a second or two), since the compiled decode forward is traced, not
     run; it takes the faster of the two MKL forms (inductor cannot trace oneDNN's on a plain weight).
     ``pack_weights`` adds oneDNN on a copy of each weight in its blocked layout, laid out for
-    ``max_batch_size`` rows, to those kernels: decode steps of many sequences get faster (AMD
-    EPYC, ``llama-small``: 25-35% less time in the linear layers at 16-32 rows), for a second copy
-    of the CPU layers' weights in memory. ``None`` packs when oneDNN is there and the copy needs at
+    ``max_batch_size`` rows, to those kernels: decode steps of many sequences get faster, for a
+    second copy of the CPU layers' weights in memory. ``None`` packs when oneDNN is there and the copy needs at
     most a quarter of the memory available (``FewRowLinears.packing_fits``): the Engine's default.
     """
     if pack_weights and not few_row_linears:

@@ -3,27 +3,21 @@
 A paged step multiplies every linear layer's weight by a few rows (a decode step: one per
 sequence) or a few hundred (a prefill chunk). On the CPU the same float32 product runs at very
 different speeds through different kernels, and which one wins depends on the CPU and the row
-count: MKL's ``x @ W.T``, MKL's ``(W @ x.T).T`` (on the AMD EPYC cores this project is measured
-on, 1.3-3x faster than ``x @ W.T`` at 2-16 rows; on an Intel Xeon 2-5x *slower* at 1-8 rows),
-and oneDNN's matmul on the weight as it is (on the AMD EPYC cores, ``llama-small``'s weights
-swept in model order: 16 rows 26.6 -> 21.1 ms, 32 rows 37.6 -> 25.1, 256 rows 195 -> 116 against
-the better MKL form; MKL reaches about 57 of ~190 GFLOP/s there at 16 rows). So ``fast_linear``
-times the kernels, alternated, on the first calls that meet a weight shape with a given number of
-rows (rounded up to a power of two), and uses the fastest from then on, in this process and, through
-``rankings_file()``, in later ones on this CPU with this torch. The timed
-calls are the model's own, so each weight is as cold in cache as a forward leaves it: timing one
-weight in a loop keeps it hot, and on the AMD cores that picked the slower kernel for most layers
-at one row (24.3 ms per decoded token for ``llama-small``, against 18.1 ms timed in the forward).
+count: MKL's ``x @ W.T``, MKL's ``(W @ x.T).T`` and oneDNN's matmul on the weight as it is (the
+README's "How it works" gives the figures, which go opposite ways on AMD and Intel cores). So
+``fast_linear`` times the kernels, alternated, on the first calls that meet a weight shape with a
+given number of rows (rounded up to a power of two), and uses the fastest from then on, in this
+process and, through ``rankings_file()``, in later ones on this CPU with this torch. The timed
+calls are the model's own, so each weight is as cold in cache as a forward leaves it: a weight
+timed in a loop stays hot in cache and ranks the kernels otherwise than a forward does.
 Results differ from ``F.linear``'s in the last bits, as paged attention's already do from SDPA's.
 ``FewRowLinears`` routes a model's ``nn.Linear`` layers through it for forwards through a paged
 cache only (a flag set by a hook on the model), so a wrapped model's plain forward (scoring,
 training) stays bit-for-bit the stock one. ``FewRowLinears.pack`` also keeps a copy of each weight
-in oneDNN's blocked layout, which oneDNN reads faster still (``llama-small``'s layers without the
-LM head, AMD EPYC: 16 rows 12.3 -> 8.3 ms, 32 rows 15.5 -> 12.5, 470 rows 127 -> 121): a second
-copy of every CPU weight, which the Engine takes by default when it fits (``packing_fits``:
-at most ``PACK_MEMORY_SHARE`` of the memory available), as a server takes its KV pool up front.
+in oneDNN's blocked layout, which oneDNN reads faster still: a second copy of every CPU weight,
+which the Engine takes by default when it fits (``packing_fits``: at most ``PACK_MEMORY_SHARE`` of
+the memory available), as a server takes its KV pool up front.
 """
-
 from __future__ import annotations
 
 import functools
@@ -61,9 +55,8 @@ def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` computed as ``(weight @ rows.T).T``. A single row goes in as
     two copies of itself: MKL's two-column GEMM reads a weight faster than its matrix-vector
-    product on some CPUs (AMD EPYC, 32000x512 LM head: 6.3 -> 5.0 ms). The copies come from
-    ``torch.cat`` (2.4 us for a row of 512; ``repeat`` took 13, and a lone decode token takes this
-    path in most of a step's ~40 linear layers)."""
+    product on some CPUs. The copies come from ``torch.cat``, several times cheaper than
+    ``repeat`` (a lone decode token takes this path in most of a step's linear layers)."""
     rows = x.numel() // x.shape[-1]
     flat = x.reshape(rows, x.shape[-1])
     if rows == 1:

@@ -401,9 +401,8 @@ def _block_metadata(
     if uniform:
         # Inductor's CPU decode template splits a row's KV work into partitions of its listed
         # blocks only when every row lists the same number of blocks; otherwise it partitions
-        # the whole pool, so cost follows capacity, not live tokens (measured 6x slower at
-        # batch 8 on a 64k-token pool). Shorter rows list sink-page entries, which the mask
-        # rejects.
+        # the whole pool, so cost follows capacity, not live tokens. Shorter rows list sink-page
+        # entries, which the mask rejects.
         visible = visible.amax().expand_as(visible)
         full = full.amin().expand_as(full)
     cols = torch.arange(seq_width, device=device)

@@ -3,10 +3,7 @@
 A decode step reads every live page of every sequence, and once sequences have come and gone
 their pages lie anywhere in a pool of tens of megabytes per layer. On 4 KB memory pages each KV
 page costs TLB misses and stops the hardware prefetcher at every 4 KB boundary; on 2 MB pages
-it streams. Measured on our CPU (AMD EPYC, 2 cores): one layer's decode attention of 8 rows of
-1024-2048 tokens over a shuffled 64k-token pool takes 9-16% less time on huge pages (pairs of
-calls alternated, medians of their ratios, four runs at page sizes 16 and 64; ``flexpage bench
-attention`` shows both, ``small/huge``).
+it streams (``flexpage bench attention`` times both, ``small/huge``; the README gives the figures).
 
 Linux backs a mapping with huge pages when it is advised to (``MADV_HUGEPAGE``) and its
 transparent huge pages are ``madvise`` or ``always``; elsewhere (``never``, a kernel without

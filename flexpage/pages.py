@@ -28,7 +28,7 @@ def cdiv(a: int, b: int) -> int:
 def host_tensor(values: Sequence[int], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """Host ints as a 1-D tensor on ``device``. On the CPU the tensor wraps the ints' own buffer
     (``torch.frombuffer``): a step's host work runs right after a forward has evicted every
-    cache, where ``torch.tensor`` of a few ints takes ~100 us and this ~25. Elsewhere: one copy."""
+    cache, where ``torch.tensor`` of a few ints costs several times more. Elsewhere: one copy."""
     if device.type == "cpu" and len(values):
         return torch.frombuffer(array(_TYPECODES[dtype], values), dtype=dtype)
     return torch.tensor(values, dtype=dtype, device=device)

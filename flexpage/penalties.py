@@ -72,8 +72,8 @@ def adjust_logits(logits: Tensor, tokens: Sequence[Sequence[int]], prompt_lens: 
 
 def _row_entries(logits: Tensor, rows: list[int], tokens: list[list[int]]) -> tuple[tuple[Tensor, Tensor], Tensor]:
     """The index of ``tokens[j]`` in row ``rows[j]`` of ``logits``, for every ``j`` at once, and
-    how many entries each row has (built from flat lists: per-entry Python tuples cost ~1 ms for
-    the ~4,000 tokens of 32 sequences)."""
+    how many entries each row has (built from flat lists: per-entry Python tuples cost far more
+    for the thousands of tokens of a full batch)."""
     device = logits.device
     counts = host_tensor([len(t) for t in tokens], device)
     index = host_tensor(rows, device).repeat_interleave(counts), host_tensor(list(chain.from_iterable(tokens)), device)

@@ -9,8 +9,8 @@ one pass over the row), else draws again (rejection sampling: the draws kept fol
 distribution exactly, and one lands in it with probability at least p); after
 ``NUCLEUS_TRIES`` misses the row draws from its nucleus found exactly (``top_p_filtered``). A draw
 inverts the CDF at a uniform number from the request's own generator (over the whole vocabulary,
-by blocks: ``BlockedCdf``). On our CPU, for 32,000 logits, a sort takes 1.8-2.5 ms a row and
-``torch.multinomial`` 0.9 ms (it draws one exponential number per vocabulary entry).
+by blocks: ``BlockedCdf``). A sort of the vocabulary, or ``torch.multinomial`` (one exponential
+number per vocabulary entry), costs several times more per row.
 
 Sampling is total: temperatures below ``MIN_TEMPERATURE`` are raised to it (as vLLM does), and a
 row with nothing to draw from (NaN or infinite logits) yields ``None``, never a token outside the
@@ -37,9 +37,8 @@ MIN_TEMPERATURE = 0.01  # lower temperatures are raised to this (below it logits
 def greedy_tokens(logits: Tensor) -> list[int]:
     """``logits.argmax(-1).tolist()`` for ``[rows, vocab]`` logits, 2-4x faster on CPU.
 
-    torch's CPU argmax over a row doesn't vectorise (30 us for one row of 32000 floats, 0.44 ms
-    for 32); NumPy's does (3 us and 0.08 ms), and it touches less code right after a forward,
-    when every cache is cold (23 vs 48 us for one row). Ties and NaNs resolve as argmax's do
+    torch's CPU argmax over a row doesn't vectorise; NumPy's does, and it touches less code right
+    after a forward, when every cache is cold. Ties and NaNs resolve as argmax's do
     (the first one wins). Other devices and dtypes (NumPy has no bfloat16 and a slower float16
     argmax than torch's) take torch's argmax."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
@@ -50,7 +49,7 @@ def greedy_tokens(logits: Tensor) -> list[int]:
 class Sampler:
     """Draws a step's sampled tokens (``__call__``). On the CPU, ``MANY_ROWS`` or more rows over the
     whole vocabulary write their probabilities into a scratch the sampler keeps from step to step
-    (a fresh 4 MB tensor, 32 rows of 32,000 floats, may cost ~0.8 ms of page faults, more than the
+    (a fresh tensor of many rows of a large vocabulary costs page faults, more than the
     softmax written into it; fewer rows allocate, which costs less than slicing the scratch) and
     draw through a ``BlockedCdf``. The scratch grows to the most such rows a step has had; an Engine
     keeps one ``Sampler``."""
@@ -131,8 +130,8 @@ class Cdf:
 
 class BlockedCdf:
     """Draws from rows of ``weights`` ``[rows, vocab]`` (>= 0) by inverting their cumulative sums
-    without a cumsum over the whole vocabulary (a sequential scan: 1.3 ms for 32 rows of 32,000 on
-    our CPU, against 0.1 ms for a sum): the sums of ``BLOCK``-token blocks, accumulated, find a
+    without a cumsum over the whole vocabulary (a sequential scan, many times a sum's cost on the
+    CPU): the sums of ``BLOCK``-token blocks, accumulated, find a
     draw's block, and the cumsum of that block alone its token."""
 
     def __init__(self, weights: Tensor) -> None:
@@ -263,7 +262,7 @@ def _radix_select(probs: Tensor, ps: Tensor) -> Tensor:
     """The bits (int32 ``[rows, 1]``) of the largest value ``t`` whose tokens at or above it hold
     ``ps`` ``[rows, 1]`` or more of ``probs``. A non-negative float orders as its bits, so ``t``
     is found exactly by three passes of a mass histogram, each fixing the next bits; in int32
-    arithmetic, as our CPU runs int64 shifts and comparisons into bool masks ~10x slower."""
+    arithmetic, as CPUs run int64 shifts and comparisons into bool masks much slower."""
     bits = probs.view(torch.int32)
     found = torch.zeros_like(bits[:, :1])  # t's bits fixed so far (the high ones)
     # reused by every pass: each fresh megabyte costs page faults
@@ -289,7 +288,7 @@ def _scaled(logits: Tensor, temperature: Sequence[float]) -> Tensor:
 
 
 def _divisor(temperature: Sequence[float], device: torch.device) -> float | Tensor:
-    """The rows' temperatures: one number when they agree (no tensor to build: ~80 us with cold
+    """The rows' temperatures: one number when they agree (no tensor to build, slow with cold
     caches), else a column."""
     return temperature[0] if len(set(temperature)) == 1 else torch.tensor(temperature, device=device)[:, None]
 
