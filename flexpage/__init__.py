@@ -3,7 +3,8 @@
 from . import masks
 from .attention import fresh_prefill_attention, packed_attention, paged_attention, sequence_attention
 from .cache import CacheStats, PagedKVCache
-from .engine import Engine, EngineStats, SamplingParams, StepOutput, TokenLogprobs
+from .engine import Engine
+from .requests import EngineStats, SamplingParams, StepOutput, TokenLogprobs
 from .errors import (FlexpageError, InvalidRequestError, OutOfPagesError, RequestFailedError, StepFailedError,
                      UnsupportedModelError)
 from .hf import PagedState, paged_state, unwrap, wrap

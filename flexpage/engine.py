@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Collection, Iterator
 from typing import Sequence as Seq
 
@@ -25,39 +24,11 @@ from .errors import InvalidRequestError, RequestFailedError
 from .hf import paged_state, wrap
 from .model_runner import ModelRunner
 from .parallel import RankSync
-from .requests import SamplingParams, StepOutput, TokenLogprobs
+from .requests import (EngineStats, SamplingParams, StepOutput, StepSummary, TokenLogprobs, checked_prompt,
+                       per_prompt_params)
 from .scheduler import Scheduler, Sequence
+
 HISTORY_STEPS = 10_000  # steps ``Engine.history`` keeps, the latest: a server steps for days
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    steps: int
-    forward_launches: int  # model forwards (one per step)
-    attention_calls: int  # attention calls per layer, summed over steps (one per step region)
-    compiled_shapes: int  # distinct compiled region shapes used (each one graph per layer variant)
-    preemptions: int
-    peak_pages_used: int
-    kv_utilisation: float  # live tokens / reserved page slots, averaged over steps
-    prompt_tokens_computed: int
-    prefix_hit_tokens: int  # prompt tokens served from the prefix cache instead of computed
-    tokens_generated: int
-    seconds: float
-    warmup_seconds: float  # compiling every step shape (``Engine.warmup``), outside ``seconds``
-    host_ms_per_step: float  # a step's time outside the model forward (schedule, plan, sampling, bookkeeping)
-    packed_weight_bytes: int  # memory of the weights' packed copies (``pack_weights``); 0 without them
-
-
-@dataclass(frozen=True, slots=True)
-class StepSummary:
-    """What one step did and how full the pool was after it (``Engine.history``: the last
-    ``HISTORY_STEPS`` steps)."""
-
-    time: float  # perf_counter() at the end of the step
-    decode_tokens: int
-    prefill_tokens: int
-    pages_used: int
-    kv_utilisation: float  # live tokens / reserved page slots
 
 
 class Engine:
@@ -324,46 +295,11 @@ class Engine:
 
     def _checked(self, prompt: Seq[int] | str, params: SamplingParams) -> list[int]:
         """The prompt's token ids, or ``InvalidRequestError`` saying why it cannot be served."""
-        params.check()
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("a string prompt needs Engine(..., tokenizer=...)")
-            tokens = list(self.tokenizer(prompt)["input_ids"])
-        else:
-            try:
-                tokens = [int(t) for t in prompt]
-            except (TypeError, ValueError) as error:
-                raise InvalidRequestError(f"a prompt is a list of token ids or a string: {error}") from None
-        if not tokens:
-            raise InvalidRequestError("empty prompt")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in tokens if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        bad = [t for t in params.logit_bias or {} if not (isinstance(t, int) and 0 <= t < vocab)]
-        if bad:
-            raise InvalidRequestError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if len(tokens) + params.max_new_tokens > self.max_seq_len:
-            raise InvalidRequestError(
-                f"prompt of {len(tokens)} tokens + max_new_tokens={params.max_new_tokens} exceeds the "
-                f"{self.max_seq_len} tokens one sequence may hold in this cache"
-            )
-        return tokens
+        return checked_prompt(prompt, params, self.tokenizer, self.model.config.vocab_size, self.max_seq_len)
 
     def _params(self, prompts, max_new_tokens, sampling) -> list[SamplingParams]:
         """One SamplingParams per prompt; every prompt is checked before any is queued."""
-        unknown = set(sampling) - set(SamplingParams.__dataclass_fields__)
-        if unknown:
-            raise TypeError(f"unknown sampling options {sorted(unknown)}")
-        counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        if len(counts) != len(prompts):
-            raise InvalidRequestError(f"{len(counts)} max_new_tokens values for {len(prompts)} prompts")
-        seed = sampling.pop("seed", None)  # output k samples from seed + k: reproducible, not identical
-        width = sampling.get("num_return_sequences", 1)
-        params = [
-            SamplingParams(max_new_tokens=n, seed=None if seed is None else seed + i * width, **sampling)
-            for i, n in enumerate(counts)
-        ]
+        params = per_prompt_params(len(prompts), max_new_tokens, sampling)
         errors = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:

@@ -1,10 +1,12 @@
-"""What a request asks of the Engine: its generation options (``SamplingParams``, checked when it
-is submitted) and what it gets back with each token beside the token itself (``TokenLogprobs``)."""
+"""What goes into the Engine and what comes out: a request's generation options
+(``SamplingParams``, checked when it is submitted), the record of each output a step advanced
+(``StepOutput``, with its ``TokenLogprobs``), and the Engine's own records (``StepSummary`` per
+step, ``EngineStats``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 from typing import Sequence as Seq
 
 from .errors import InvalidRequestError
@@ -97,3 +99,82 @@ class StepOutput:
     cached_tokens: int | None = None  # with its first token: prompt tokens served from the prefix cache
     first_token_seconds: float | None = None  # with its first token: seconds from submission
     error: str | None = None  # why the request failed
+
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    steps: int
+    forward_launches: int  # model forwards (one per step)
+    attention_calls: int  # attention calls per layer, summed over steps (one per step region)
+    compiled_shapes: int  # distinct compiled region shapes used (each one graph per layer variant)
+    preemptions: int
+    peak_pages_used: int
+    kv_utilisation: float  # live tokens / reserved page slots, averaged over steps
+    prompt_tokens_computed: int
+    prefix_hit_tokens: int  # prompt tokens served from the prefix cache instead of computed
+    tokens_generated: int
+    seconds: float
+    warmup_seconds: float  # compiling every step shape (``Engine.warmup``), outside ``seconds``
+    host_ms_per_step: float  # a step's time outside the model forward (schedule, plan, sampling, bookkeeping)
+    packed_weight_bytes: int  # memory of the weights' packed copies (``pack_weights``); 0 without them
+
+
+@dataclass(frozen=True, slots=True)
+class StepSummary:
+    """What one step did and how full the pool was after it (``Engine.history``: the last
+    ``HISTORY_STEPS`` steps)."""
+
+    time: float  # perf_counter() at the end of the step
+    decode_tokens: int
+    prefill_tokens: int
+    pages_used: int
+    kv_utilisation: float  # live tokens / reserved page slots
+
+def checked_prompt(prompt: Seq[int] | str, params: SamplingParams, tokenizer: Any, vocab_size: int,
+                   max_seq_len: int) -> list[int]:
+    """The prompt's token ids (a string goes through ``tokenizer``), or ``InvalidRequestError``
+    saying why it cannot be served with ``params`` by a model of ``vocab_size`` tokens whose
+    sequences hold at most ``max_seq_len``."""
+    params.check()
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InvalidRequestError("a string prompt needs Engine(..., tokenizer=...)")
+        tokens = list(tokenizer(prompt)["input_ids"])
+    else:
+        try:
+            tokens = [int(t) for t in prompt]
+        except (TypeError, ValueError) as error:
+            raise InvalidRequestError(f"a prompt is a list of token ids or a string: {error}") from None
+    if not tokens:
+        raise InvalidRequestError("empty prompt")
+    bad = [t for t in tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    bad = [t for t in params.logit_bias or {} if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    if bad:
+        raise InvalidRequestError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    if len(tokens) + params.max_new_tokens > max_seq_len:
+        raise InvalidRequestError(
+            f"prompt of {len(tokens)} tokens + max_new_tokens={params.max_new_tokens} exceeds the "
+            f"{max_seq_len} tokens one sequence may hold in this cache"
+        )
+    return tokens
+
+
+def per_prompt_params(num_prompts: int, max_new_tokens: int | Seq[int], sampling: dict[str, Any]
+                      ) -> list[SamplingParams]:
+    """``SamplingParams`` for each of ``num_prompts`` prompts from ``generate()``-style options:
+    ``max_new_tokens`` one value or one per prompt; with a ``seed``, prompt ``i``'s samples start at
+    ``seed + i * num_return_sequences`` (reproducible, not identical)."""
+    unknown = set(sampling) - set(SamplingParams.__dataclass_fields__)
+    if unknown:
+        raise TypeError(f"unknown sampling options {sorted(unknown)}")
+    counts = [max_new_tokens] * num_prompts if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if len(counts) != num_prompts:
+        raise InvalidRequestError(f"{len(counts)} max_new_tokens values for {num_prompts} prompts")
+    sampling = dict(sampling)
+    seed = sampling.pop("seed", None)
+    width = sampling.get("num_return_sequences", 1)
+    return [SamplingParams(max_new_tokens=n, seed=None if seed is None else seed + i * width, **sampling)
+            for i, n in enumerate(counts)]
