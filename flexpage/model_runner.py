@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Iterable
 
 import torch
 from tqdm.auto import tqdm
@@ -75,7 +75,8 @@ class ModelRunner:
         for j in range(params.num_return_sequences):
             self.sampling[index + j] = (params, self._generator(params, j))
 
-    def forget(self, indices: Any) -> None:
+    def forget(self, indices: Iterable[int]) -> None:
+        """Drop these outputs' sampling settings (they finished or were aborted)."""
         for index in indices:
             self.sampling.pop(index, None)
 
@@ -137,7 +138,7 @@ class ModelRunner:
         return logits, time.perf_counter() - start
 
     def pick(self, logits: torch.Tensor, picks: list[tuple[Sequence, int]]
-              ) -> tuple[list[int | None], dict[int, TokenLogprobs], dict[int, str]]:
+             ) -> tuple[list[int | None], dict[int, TokenLogprobs], dict[int, str]]:
         """Each pick's next token (None if its request failed), the logprobs asked for, and why
         each failed request failed. A row with nothing to sample from fails alone; if the step's
         penalties, sampling or logprobs raise, the picks are taken again one at a time, so only
