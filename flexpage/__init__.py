@@ -1,6 +1,6 @@
 """flexpage: a global paged KV cache for PyTorch models, served through FlexAttention."""
 
-from . import masks
+from . import masks, mods
 from .attention import fresh_prefill_attention, packed_attention, paged_attention, sequence_attention
 from .cache import CacheStats, PagedKVCache
 from .engine import Engine
@@ -35,6 +35,7 @@ __all__ = [
     "build_block_mask",
     "fresh_prefill_attention",
     "masks",
+    "mods",
     "packed_attention",
     "paged_attention",
     "paged_mask_mod",

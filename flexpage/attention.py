@@ -9,7 +9,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from .compile import compile_static
 from .masks import PackedBlockMask, PagedBlockMask, ScoreMod, SequenceKV
-from .pages import cdiv
+from .host import cdiv
 
 
 def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options):

@@ -35,7 +35,7 @@ from .cache import PagedKVCache
 from .errors import UnsupportedModelError
 from .linear import FewRowLinears
 from .masks import PackedBlockMask, PagedBlockMask
-from .pages import cdiv
+from .host import cdiv
 
 FALLBACKS = {"sdpa": "flexpage", "eager": "flexpage_eager"}  # stock implementation -> our name
 # wrap's page size when none is given: a KV block is a page, and the CPU FlexAttention template pays

@@ -23,7 +23,7 @@ from .attention import sdpa_over_pages
 from .cache import PagedKVCache
 from .errors import OutOfPagesError, StepFailedError
 from .masks import PackedBlockMask
-from .pages import cdiv, host_tensor
+from .host import cdiv, host_tensor
 from .penalties import adjust_logits
 from .requests import SamplingParams, TokenLogprobs
 from .sampling import Sampler, greedy_tokens

@@ -8,7 +8,6 @@ tensors that are updated in place, so compiled code that reads them never change
 
 from __future__ import annotations
 
-from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -16,22 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from .errors import OutOfPagesError
-
-
-_TYPECODES = {torch.int64: "q", torch.int32: "i"}
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def host_tensor(values: Sequence[int], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """Host ints as a 1-D tensor on ``device``. On the CPU the tensor wraps the ints' own buffer
-    (``torch.frombuffer``): a step's host work runs right after a forward has evicted every
-    cache, where ``torch.tensor`` of a few ints costs several times more. Elsewhere: one copy."""
-    if device.type == "cpu" and len(values):
-        return torch.frombuffer(array(_TYPECODES[dtype], values), dtype=dtype)
-    return torch.tensor(values, dtype=dtype, device=device)
+from .host import cdiv, host_tensor
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .cache import PagedKVCache
-from .pages import cdiv
+from .host import cdiv
 
 
 @dataclass

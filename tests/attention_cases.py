@@ -7,7 +7,7 @@ import torch
 from reference import make_cache, reference_attention, write_step
 
 import flexpage
-from flexpage import masks
+from flexpage import mods
 
 ROWS = [3, 7, 1]  # active batch rows that are not 0..B-1
 HEAD_DIM = 32
@@ -15,7 +15,7 @@ PREFIX_LENS = torch.tensor([7, 1, 40], dtype=torch.int32)  # prefix-LM prefix pe
 
 
 def alibi_mod(num_heads, device):
-    mod = masks.alibi(masks.alibi_slopes(num_heads).to(device))
+    mod = mods.alibi(mods.alibi_slopes(num_heads).to(device))
     mod.additive = True  # the reference may fold it into SDPA's float mask
     return mod
 
@@ -23,9 +23,9 @@ def alibi_mod(num_heads, device):
 # (mask_mod, score_mod) for ``q_heads`` query heads, their tensors on ``device``
 MODS = {
     "causal": lambda hq, device: (None, None),
-    "sliding": lambda hq, device: (masks.sliding_window(24), None),
-    "prefix_lm": lambda hq, device: (masks.prefix_lm(PREFIX_LENS.to(device)), None),
-    "softcap": lambda hq, device: (None, masks.softcap(2.0)),
+    "sliding": lambda hq, device: (mods.sliding_window(24), None),
+    "prefix_lm": lambda hq, device: (mods.prefix_lm(PREFIX_LENS.to(device)), None),
+    "softcap": lambda hq, device: (None, mods.softcap(2.0)),
     "alibi": lambda hq, device: (None, alibi_mod(hq, device)),
 }
 

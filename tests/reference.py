@@ -12,7 +12,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import flexpage
-from flexpage import masks, zoo
+from flexpage import mods, zoo
 from flexpage.sampling import sample_tokens
 
 GARBAGE = 1e4  # what unwritten slots hold: any read of one shows up as a huge error
@@ -57,7 +57,7 @@ def write_step(cache, rows, keys, values, q_len=None):
 
 def dense_mask(mask_mod, b, num_heads, q_pos, kv_len):
     """``[H, Q, L]`` boolean mask of a logical mask_mod (default causal) for one row."""
-    mask_mod = masks.causal if mask_mod is None else mask_mod
+    mask_mod = mods.causal if mask_mod is None else mask_mod
     h = torch.arange(num_heads)[:, None, None]
     q = q_pos[None, :, None]
     kv = torch.arange(kv_len)[None, None, :]

@@ -18,7 +18,7 @@ from attention_cases import HEAD_DIM, MAX_CONTEXT, MAX_NEW, ROWS, run_case
 from reference import GARBAGE, make_cache, reference_attention, write_step
 
 import flexpage
-from flexpage import attention, masks
+from flexpage import attention, masks, mods
 from flexpage.bench.measure import compiled_graphs
 from flexpage.compile import AOT_ENV, compile_static
 
@@ -137,7 +137,7 @@ def test_fresh_prefill_attention_matches_sdpa(window):
     assert plan.fresh
     query = torch.randn(3, 8, 130, HEAD_DIM)  # the forward's 130 positions are the plan's last ones
     out = flexpage.fresh_prefill_attention(query, kp, vp, masks.PagedBlockMask.for_step(cache.page_table, plan), window)
-    mod = masks.sliding_window(window) if window else None
+    mod = mods.sliding_window(window) if window else None
     for b, n in enumerate(lengths):
         ref = reference_attention(query[b, :, 130 - n :], keys[b], values[b], torch.arange(n), b, mod)
         assert (out[b, :, 130 - n :] - ref).abs().max() <= 1e-5
@@ -161,7 +161,7 @@ def test_sequence_attention_of_a_decode_token_matches_sdpa(window, context, seed
     plan, (kp, vp) = write_step(cache, [row], [keys[:, -1:]], [values[:, -1:]])
     query = torch.randn(1, 8, 1, HEAD_DIM)
     out = flexpage.sequence_attention(query, kp, vp, flexpage.PagedBlockMask.for_step(cache.page_table, plan).decode_kv(window))
-    ref = reference_attention(query[0], keys, values, torch.tensor([context]), 0, masks.sliding_window(window) if window else None)
+    ref = reference_attention(query[0], keys, values, torch.tensor([context]), 0, mods.sliding_window(window) if window else None)
     assert (out[0] - ref).abs().max() <= 1e-5
 
 
@@ -182,7 +182,7 @@ def test_sequence_attention_of_a_chunk_after_cached_tokens_matches_sdpa(window, 
         assert kv.allowed is None and kv.causal and kv.earlier == context
     query = torch.randn(1, 8, n, HEAD_DIM)
     ref = reference_attention(query[0], keys, values, torch.arange(context, context + n), 0,
-                              masks.sliding_window(window) if window else None)
+                              mods.sliding_window(window) if window else None)
     assert (flexpage.sequence_attention(query, kp, vp, kv)[0] - ref).abs().max() <= 1e-5
     if window is None:  # the single masked call used off CPU
         off_cpu = F.scaled_dot_product_attention(query, keys[None], values[None], enable_gqa=True,
@@ -200,7 +200,7 @@ def test_sequence_attention_reads_a_contiguous_sequence_in_place():
     kv = flexpage.PagedBlockMask.for_step(cache.page_table, plan).decode_kv(24)
     assert kv.slots is None and kv.start == 26 and kv.width == 24  # the last 24 tokens, a slice of the pool
     query = torch.randn(1, 8, 1, HEAD_DIM)
-    ref = reference_attention(query[0], k, v, torch.tensor([49]), 0, masks.sliding_window(24))
+    ref = reference_attention(query[0], k, v, torch.tensor([49]), 0, mods.sliding_window(24))
     assert (flexpage.sequence_attention(query, kp, vp, kv)[0] - ref).abs().max() <= 1e-5
 
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from reference import make_cache, reference_attention
 
 import flexpage
-from flexpage import masks
+from flexpage import masks, mods
 
 HQ, HKV, D, PAGE = 8, 2, 32, 16
 DECODE_LEN, CHUNK_LEN = 4, 96  # the step's static regions: one compile per variant
@@ -41,8 +41,8 @@ def _ragged_step(decode_ctx, chunks, window, cap, seed, decode_len=DECODE_LEN, c
     k_pool, v_pool = cache.update(packed_k, packed_v, 0)
     mask = masks.PackedBlockMask.for_step(cache.page_table, plan)
     out = flexpage.packed_attention(query, k_pool, v_pool, mask, window=window, cap=cap)
-    mask_mod = None if window is None else masks.sliding_window(window)
-    score_mod = None if cap is None else masks.softcap(cap)
+    mask_mod = None if window is None else mods.sliding_window(window)
+    score_mod = None if cap is None else mods.softcap(cap)
     for i, row in enumerate(rows):
         at = (plan.tok_rows == row) & (plan.tok_pos >= 0)
         q_pos = plan.tok_pos[at]

@@ -1,0 +1,24 @@
+"""Small host-side helpers shared across the library: ceiling division, and host ints as a tensor."""
+
+from __future__ import annotations
+
+from array import array
+from typing import Sequence
+
+import torch
+
+_TYPECODES = {torch.int64: "q", torch.int32: "i"}
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` in integers."""
+    return -(-a // b)
+
+
+def host_tensor(values: Sequence[int], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Host ints as a 1-D tensor on ``device``. On the CPU the tensor wraps the ints' own buffer
+    (``torch.frombuffer``): a step's host work runs right after a forward has evicted every
+    cache, where ``torch.tensor`` of a few ints costs several times more. Elsewhere: one copy."""
+    if device.type == "cpu" and len(values):
+        return torch.frombuffer(array(_TYPECODES[dtype], values), dtype=dtype)
+    return torch.tensor(values, dtype=dtype, device=device)
