@@ -178,6 +178,14 @@ class PageTable:
         fresh = max(0, cdiv(length + num_tokens, self.page_size) - len(pages))
         return fresh + int(self._needs_copy(row, num_tokens))
 
+    def room(self, row: int, free_pages: int) -> int:
+        """Tokens ``row`` can take in the rest of its last page and ``free_pages`` more pages."""
+        return free_pages * self.page_size + (-self.seq_lens[row]) % self.page_size
+
+    def unowned(self, pages: Sequence[int]) -> int:
+        """How many of these cached pages no sequence holds (attaching them takes them off the free list)."""
+        return sum(1 for page in pages if self.ref_counts[page] == 0)
+
     # ------------------------------------------------------------------ row lifecycle
     def add_sequence(self, row: int | None = None) -> int:
         """Claim an empty row (the lowest free one unless ``row`` is given) and return it."""

@@ -121,7 +121,7 @@ class Scheduler:
             nonlocal free, budget
             n = min(seq.num_pending, budget)
             if pt.pages_needed(seq.row, n) > free:  # as many tokens as the free pages and the last page's tail hold
-                n = min(n, free * page + (-pt.seq_lens[seq.row]) % page)
+                n = min(n, pt.room(seq.row, free))
                 n = n if n > 0 and pt.pages_needed(seq.row, n) <= free else 0
             if n > 0:
                 batch.chunks.append((seq, n))
@@ -141,7 +141,7 @@ class Scheduler:
             keys = seq.keys_upto(len(seq.tokens) - 1, page) if self.prefix_caching else []
             if len(hit) < len(keys) and keys[len(hit)] in computing:
                 break  # a running request is computing its next page: wait a step and share it
-            revived = sum(1 for p in hit if pt.ref_counts[p] == 0)  # cached pages it takes out of the free pool
+            revived = pt.unowned(hit)  # cached pages it takes out of the free pool
             if cdiv(len(seq.tokens), page) - len(hit) + revived > free:  # admit only what the pool holds whole
                 break
             self.waiting.popleft()

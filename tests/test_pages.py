@@ -321,3 +321,22 @@ def test_host_tensor_equals_torch_tensor_and_owns_its_ints(values, dtype):
     expected = torch.tensor(values, dtype=dtype)
     assert tensor.dtype == dtype and tensor.shape == expected.shape and torch.equal(tensor, expected)
     assert torch.equal(other, expected + 1)
+
+
+def test_room_and_unowned_pages_as_the_scheduler_asks():
+    """``room``: the tokens a row's last page and some free pages hold; ``unowned``: cached pages
+    no sequence holds any more (attaching them takes them off the free list)."""
+    pt = PageTable(8, 16, 4)
+    row = pt.add_sequence()
+    assert pt.room(row, 2) == 32
+    pt.extend([row], [21])  # 2 pages, 11 slots left in the second
+    assert pt.room(row, 0) == 11 and pt.room(row, 3) == 11 + 48
+    pt.register(row, 0, b"first page")
+    (cached,) = pt.lookup([b"first page"])
+    assert pt.unowned([cached]) == 0  # its sequence still holds it
+    pt.free_sequence(row)
+    free = pt.num_free_pages
+    assert pt.unowned([cached]) == 1
+    other = pt.add_sequence()
+    pt.attach(other, [cached])
+    assert pt.unowned([cached]) == 0 and pt.num_free_pages == free - 1
