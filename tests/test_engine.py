@@ -14,10 +14,6 @@ from flexpage import InvalidRequestError
 from flexpage.bench.measure import compiled_graphs
 from reference import LENGTHS, NEW_TOKENS, VOCAB, make_engine, stock_adjusted, stock_greedy, workload
 
-@pytest.fixture(scope="module")
-def stock_llama():
-    return zoo.build("llama-tiny")
-
 
 @pytest.fixture(scope="module")
 def expected(stock_llama):

@@ -6,19 +6,16 @@ import pytest
 import torch
 from reference import VOCAB, make_engine, stock_greedy
 
-from flexpage import zoo
-
 SYSTEM = 100  # shared prompt tokens: 6 full pages of 16
 
 
 @pytest.fixture(scope="module")
-def shared_workload():
+def shared_workload(stock_llama):
     g = torch.Generator().manual_seed(3)
     system = torch.randint(3, VOCAB, (SYSTEM,), generator=g).tolist()
     questions = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (10, 27, 5, 40, 16, 21)]
     prompts = [system + q for q in questions]
-    stock = zoo.build("llama-tiny")
-    return prompts, [stock_greedy(stock, p, 12) for p in prompts]
+    return prompts, [stock_greedy(stock_llama, p, 12) for p in prompts]
 
 
 def test_prefix_caching_changes_no_token_and_skips_shared_prefill(shared_workload):

@@ -25,7 +25,7 @@ from flexpage.serve import build_app
 from flexpage.serve.cli import serve
 from http_helpers import (ENGINE_OPTIONS, fetch, fetch_response, free_socket, prompt_ids, running_server, served_model,
                           wait_until)
-from reference import stock_adjusted
+from reference import stock_adjusted, stock_greedy
 
 pytestmark = pytest.mark.slow  # servers, subprocesses or notebooks
 
@@ -39,19 +39,9 @@ def served():
         yield served
 
 
-@pytest.fixture(scope="module")
-def stock():
-    return zoo.build(MODEL)
-
-
-def stock_greedy(model, ids: list[int], max_tokens: int) -> list[int]:
-    out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
-    return out[0, len(ids):].tolist()
-
-
-def test_greedy_completion_matches_stock(served, stock):
+def test_greedy_completion_matches_stock(served, stock_llama):
     ids = prompt_ids(40)
-    expected = stock_greedy(stock, ids, 24)
+    expected = stock_greedy(stock_llama, ids, 24)
     out = served.client.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0)
     (choice,) = out.choices
     assert choice.text == served.tokenizer.decode(expected, skip_special_tokens=True)
@@ -60,7 +50,7 @@ def test_greedy_completion_matches_stock(served, stock):
     assert out.usage.total_tokens == 40 + len(expected) and out.object == "text_completion"
 
 
-def test_sixteen_concurrent_requests_equal_one_at_a_time_and_stock(served, stock):
+def test_sixteen_concurrent_requests_equal_one_at_a_time_and_stock(served, stock_llama):
     texts = [f"request {i}: " + "paged attention " * (i % 5) + "héllo, 世界"[: i % 9] for i in range(16)]
 
     async def all_at_once():  # the client closes on the loop it ran on
@@ -72,7 +62,7 @@ def test_sixteen_concurrent_requests_equal_one_at_a_time_and_stock(served, stock
     together = [out.choices[0].text for out in asyncio.run(all_at_once())]
     alone = [served.client.completions.create(model=MODEL, prompt=t, max_tokens=10, temperature=0).choices[0].text
              for t in texts]
-    expected = [served.tokenizer.decode(stock_greedy(stock, served.tokenizer(t)["input_ids"], 10),
+    expected = [served.tokenizer.decode(stock_greedy(stock_llama, served.tokenizer(t)["input_ids"], 10),
                                         skip_special_tokens=True) for t in texts]
     assert together == alone == expected
     # a list of prompts in one call: one choice per prompt, in order
@@ -141,12 +131,12 @@ def test_stop_string_never_appears_even_while_streaming(served):
     assert not any(stop[:2] in s for s in streamed[:-1]) or stop[:2] in cut.text
 
 
-def test_logprobs_match_stock_log_softmax(served, stock):
+def test_logprobs_match_stock_log_softmax(served, stock_llama):
     ids = prompt_ids(20, seed=4)
     out = served.client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0, logprobs=3,
                                            extra_body={"ignore_eos": True})
-    ref = stock.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None,
-                         output_logits=True, return_dict_in_generate=True)
+    ref = stock_llama.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, pad_token_id=0,
+                               eos_token_id=None, output_logits=True, return_dict_in_generate=True)
     tokens = ref.sequences[0, len(ids):].tolist()
     expected = [torch.log_softmax(logits[0].float(), -1)[t].item() for logits, t in zip(ref.logits, tokens)]
     got = out.choices[0].logprobs
@@ -160,7 +150,7 @@ def test_logprobs_match_stock_log_softmax(served, stock):
     assert len(entries) == chat.usage.completion_tokens and all(len(e.top_logprobs) == 2 for e in entries)
 
 
-def test_penalties_and_logit_bias_match_stock(served, stock):
+def test_penalties_and_logit_bias_match_stock(served, stock_llama):
     """OpenAI's ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (token ids as JSON
     strings) and vLLM's ``repetition_penalty`` reach the engine: the greedy text equals stock
     ``generate()`` with the same processors."""
@@ -168,9 +158,9 @@ def test_penalties_and_logit_bias_match_stock(served, stock):
     out = served.client.completions.create(
         model=MODEL, prompt=ids, max_tokens=12, temperature=0, presence_penalty=0.6, frequency_penalty=1.2,
         logit_bias={"17": 5.0, "40": -100}, extra_body={"repetition_penalty": 1.4, "ignore_eos": True})
-    expected = stock_adjusted(stock, ids, 12, repetition_penalty=1.4, presence_penalty=0.6, frequency_penalty=1.2,
-                              logit_bias={17: 5.0, 40: -100.0})
-    assert expected != stock_adjusted(stock, ids, 12)  # the adjustments changed the text
+    expected = stock_adjusted(stock_llama, ids, 12, repetition_penalty=1.4, presence_penalty=0.6,
+                              frequency_penalty=1.2, logit_bias={17: 5.0, 40: -100.0})
+    assert expected != stock_adjusted(stock_llama, ids, 12)  # the adjustments changed the text
     assert out.choices[0].text == served.tokenizer.decode(expected, skip_special_tokens=True)
 
 
@@ -320,7 +310,7 @@ def test_readme_client_examples_run_as_written(served):
     exec(compile(client.replace("127.0.0.1:8000", here), "README.md openai client", "exec"), {})
 
 
-def test_serve_steps_the_engine_on_the_calling_thread_and_stops_on_sigint(stock):
+def test_serve_steps_the_engine_on_the_calling_thread_and_stops_on_sigint(stock_llama):
     """``flexpage serve``'s loop: HTTP on a helper thread, every engine step on the caller's thread
     (on CPU the one that built the model: a second OpenMP team slows every op); SIGINT stops both
     gracefully and the previous signal handlers come back."""
@@ -347,7 +337,7 @@ def test_serve_steps_the_engine_on_the_calling_thread_and_stops_on_sigint(stock)
     threading.Thread(target=client, daemon=True).start()
     assert serve(server, app.state.server.runner)
     assert stepped_on == {threading.current_thread()}
-    assert answers[0].choices[0].text == zoo.load_tokenizer(MODEL).decode(stock_greedy(stock, ids, 8),
+    assert answers[0].choices[0].text == zoo.load_tokenizer(MODEL).decode(stock_greedy(stock_llama, ids, 8),
                                                                           skip_special_tokens=True)
     assert signal.getsignal(signal.SIGINT) is before and not engine.scheduler.has_work
 
