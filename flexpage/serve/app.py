@@ -331,6 +331,13 @@ def chat_logprobs(choice: Choice, start: int) -> dict | None:
                         for t, lp in choice.logprobs[start:]]}
 
 
+def internal_error(what: str, error: BaseException) -> APIError:
+    """A 500 naming only a reference; the exception goes to the log under that reference."""
+    reference = new_id("error")
+    logger.error("%s: %s failed", reference, what, exc_info=error)
+    return APIError(500, f"internal server error ({reference})")
+
+
 def validation_error(errors: list[dict]) -> APIError:
     """A 400 naming the first wrong field, with a bounded message."""
     def where(loc: tuple) -> str:  # the field path, without pydantic's union-branch tags ("str", "list[int]")
@@ -444,9 +451,7 @@ def build_app(engine: Engine, tokenizer: Any, model_name: str, max_waiting: int 
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception) -> JSONResponse:
-        reference = new_id("error")
-        logger.error("%s: %s %s failed", reference, request.method, request.url.path, exc_info=error)
-        return APIError(500, f"internal server error ({reference})").response()
+        return internal_error(f"{request.method} {request.url.path}", error).response()
 
     @app.get("/health")
     async def health() -> Response:
@@ -530,9 +535,7 @@ async def stream(server: Server, call: Call, head: dict, include_usage: bool, fi
     except APIError as error:
         yield sse(ErrorResponse(error=error.body).model_dump())
     except Exception as error:  # noqa: BLE001 - the status line is sent: an error event is all that is left
-        reference = new_id("error")
-        logger.error("%s: a stream failed", reference, exc_info=error)
-        yield sse(ErrorResponse(error=APIError(500, f"internal server error ({reference})").body).model_dump())
+        yield sse(ErrorResponse(error=internal_error("a stream", error).body).model_dump())
     else:
         if include_usage:
             yield sse(head | {"choices": [], "usage": call.usage()})

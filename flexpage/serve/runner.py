@@ -197,13 +197,14 @@ class EngineRunner:
             except queue.Empty:
                 return
 
-    def _waiting_requests(self) -> int:
+    def _request_counts(self) -> tuple[int, int]:
+        """Requests running (one of their outputs runs) and waiting (none does yet, or all were preempted)."""
         running, waiting = self.engine.queue()
-        started = {id(self._owners[i][0]) for i in running if i in self._owners}
-        return len({id(self._owners[i][0]) for i in waiting if i in self._owners} - started)
+        active = {id(self._owners[i][0]) for i in running if i in self._owners}
+        return len(active), len({id(self._owners[i][0]) for i in waiting if i in self._owners} - active)
 
     def _on_submit(self, requests: list[Request], prompts, params, loop, accepted) -> None:
-        waiting = self._waiting_requests()
+        waiting = self._request_counts()[1]
         if waiting + len(requests) > self.max_waiting:
             loop.call_soon_threadsafe(_settle, accepted, QueueFullError(
                 f"{waiting} of {self.max_waiting} waiting places are taken; this call needs {len(requests)}"))
@@ -290,12 +291,9 @@ class EngineRunner:
         self._report()
 
     def _report(self, preemptions: int = 0) -> None:
-        """Gauges in requests: running when one of its outputs runs, else waiting."""
-        running, waiting = self.engine.queue()
-        active = {id(self._owners[i][0]) for i in running if i in self._owners}
-        queued = {id(self._owners[i][0]) for i in waiting if i in self._owners} - active
+        """Gauges in requests (``_request_counts``), KV usage, preemptions."""
         stats = self.engine.cache.stats()
-        self.metrics.step(len(active), len(queued), stats.pages_used / stats.pages_total, preemptions)
+        self.metrics.step(*self._request_counts(), stats.pages_used / stats.pages_total, preemptions)
 
     def _send(self, index: int, **fields) -> None:
         request, loop = self._owners[index]
