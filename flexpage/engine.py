@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from .block_manager import BlockManager
 from .errors import InvalidRequestError, RequestFailedError
 from .hf import paged_state, wrap
 from .model_runner import ModelRunner
@@ -74,8 +75,8 @@ class Engine:
         self.cache = state.cache
         self.tokenizer = tokenizer
         self.runner = ModelRunner(self.model, self.cache, state.cache_argument, max_batch_size, max_tokens_per_step)
-        self.scheduler = Scheduler(self.cache, max_batch_size, max_tokens_per_step, self.runner.chunk_block,
-                                   prefix_caching)
+        self.blocks = BlockManager(self.cache, prefix_caching)
+        self.scheduler = Scheduler(self.blocks, max_batch_size, max_tokens_per_step, self.runner.chunk_block)
         self.warmup_seconds = 0.0
         self._next_index = 0
         self.ranks = RankSync.for_model(self.model, tp_group, check_ranks)
@@ -87,8 +88,7 @@ class Engine:
     @property
     def max_seq_len(self) -> int:
         """The most tokens (prompt + output) one request may hold in this cache."""
-        pt = self.cache.page_table
-        return min(pt.num_pages, pt.max_pages_per_seq) * pt.page_size
+        return self.blocks.max_seq_len
 
     @property
     def has_work(self) -> bool:
@@ -238,7 +238,11 @@ class Engine:
             self.ranks.compare((tuple(s.index for s in batch.decode), tuple((s.index, n) for s, n in batch.chunks)))
         if not batch:
             return []
-        forward = self.runner.forward(batch)  # raises StepFailedError (the step's slots given back)
+        try:
+            forward = self.runner.forward(batch)  # a failure raises StepFailedError
+        except BaseException:
+            self.scheduler.rollback(batch)
+            raise
         picks = self.scheduler.computed(batch, forward.sampled)  # each sequence with its row of the logits
         tokens, logprobs, failed = self.runner.pick(forward.logits, picks)
         records = [StepOutput(seq.index, None, "error", error=failed[seq.index]) if token is None
@@ -285,7 +289,7 @@ class Engine:
             peak_pages_used=self._peak_pages,
             kv_utilisation=self._utilisation_sum / self._steps if self._steps else 1.0,
             prompt_tokens_computed=self._prefill_tokens,
-            prefix_hit_tokens=self.scheduler.prefix_hit_tokens - self._hits_at_reset,
+            prefix_hit_tokens=self.blocks.hit_tokens - self._hits_at_reset,
             tokens_generated=self._generated,
             seconds=self._seconds,
             warmup_seconds=self.warmup_seconds,
@@ -316,7 +320,7 @@ class Engine:
         self._prefill_tokens = self._generated = self._finished = 0
         self._utilisation_sum = self._seconds = self._host_seconds = 0.0
         self._shapes: set[tuple[str, int]] = set()
-        self._hits_at_reset = self.scheduler.prefix_hit_tokens
+        self._hits_at_reset = self.blocks.hit_tokens
         self.history: deque[StepSummary] = deque(maxlen=HISTORY_STEPS)
 
     def _record(self, batch, forward, produced: int) -> None:

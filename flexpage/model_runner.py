@@ -93,7 +93,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ a step
     def forward(self, batch: Batch) -> Forward:
         """One forward over the batch, packed: the decode tokens, then each prefill chunk (aligned to
-        the chunk block). Raises ``StepFailedError`` with the step's slots given back if it fails."""
+        the chunk block). Raises ``StepFailedError`` if it fails (``Scheduler.rollback`` gives the slots back)."""
         decode_len = self.decode_len(len(batch.decode))
         block = self.chunk_block
         aligned = sum(cdiv(n, block) * block for _, n in batch.chunks)
@@ -112,13 +112,9 @@ class ModelRunner:
         ids += [0] * (plan.q_len - len(ids))
         try:
             logits, seconds = self._logits(ids, plan, keep)
-        except BaseException as error:  # the step's tokens were never computed: give their slots back
+        except Exception as error:  # the step's tokens were never computed (the scheduler rolls them back)
             stepped = batch.decode + [seq for seq, _ in batch.chunks]
-            for seq in stepped:
-                self.cache.page_table.truncate(seq.row, seq.num_computed)
-            if isinstance(error, Exception):
-                raise StepFailedError([seq.index for seq in stepped], error) from error
-            raise
+            raise StepFailedError([seq.index for seq in stepped], error) from error
         return Forward(logits, sampled, decode_len, chunk_len, seconds)
 
     def _logits(self, ids: list[int], plan, keep: list[int]) -> tuple[torch.Tensor, float]:

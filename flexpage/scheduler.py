@@ -1,7 +1,7 @@
 """Continuous batching: which sequences run in the next step, and how many tokens each.
 
-The scheduler owns the request queue and the rows of a ``PagedKVCache``; it never touches
-models or K/V bytes. Every step it (1) gives each running sequence that has finished its
+The scheduler owns the request queue; rows and pages it asks of the ``BlockManager``, and it
+never touches models, pages or K/V bytes. Every step it (1) gives each running sequence that has finished its
 prompt one decode token, preempting the youngest running sequences when the pool cannot
 hold those tokens, (2) continues unfinished prompts in chunks, and (3) admits waiting
 requests while rows, pages and the step's token budget allow. Preempted sequences lose
@@ -11,12 +11,10 @@ preemption never changes a token.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
-from .cache import PagedKVCache
+from .block_manager import BlockManager
 from .host import cdiv
 
 
@@ -29,25 +27,14 @@ class Sequence:
     prompt_len: int
     max_new_tokens: int
     stop_token_ids: frozenset[int] = frozenset()
-    row: int | None = None  # page-table row while running
-    num_computed: int = 0  # tokens whose K/V are in the cache
+    row: int | None = None  # page-table row while running (the block manager's)
+    num_computed: int = 0  # tokens whose K/V are in the cache (the block manager's)
     finished: bool = False
     arrival: float = 0.0  # perf_counter() when the request was queued
     forks: int = 0  # sibling samples still to split off once the prompt is done (num_return_sequences - 1)
-    block_keys: list[bytes] = field(default_factory=list)  # content keys of the first full pages
+    block_keys: list[bytes] = field(default_factory=list)  # content keys of the first full pages (memo)
     num_registered: int = 0  # leading pages registered in the prefix cache
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache when first admitted
-
-    def keys_upto(self, num_tokens: int, page_size: int) -> list[bytes]:
-        """Content keys of the full pages among the first ``num_tokens`` tokens: a hash chained
-        over every token up to each page's end, so equal keys mean equal prefixes."""
-        keys = self.block_keys
-        while (len(keys) + 1) * page_size <= num_tokens:
-            i = len(keys)
-            digest = hashlib.blake2b(keys[-1] if keys else b"", digest_size=16)
-            digest.update(array("q", self.tokens[i * page_size : (i + 1) * page_size]).tobytes())
-            keys.append(digest.digest())
-        return keys[: num_tokens // page_size]
 
     @property
     def output(self) -> list[int]:
@@ -76,20 +63,16 @@ class Batch:
 
 
 class Scheduler:
-    """FIFO admission, chunked prefill under a token budget, youngest-first preemption.
+    """FIFO admission, chunked prefill under a token budget, youngest-first preemption; pages
+    only through the ``BlockManager``.
 
-    With ``prefix_caching`` a request starts from the cached pages of its longest known
-    prefix (their prefill is skipped), and the full pages it computes are registered for
-    later requests.
+    With prefix caching a request starts from the cached pages of its longest known prefix
+    (their prefill is skipped), and the full pages it computes are registered for later requests.
     """
 
-    def __init__(self, cache: PagedKVCache, max_batch_size: int, max_tokens_per_step: int, chunk_block: int = 16,
-                 prefix_caching: bool = True):
-        self.cache = cache
-        self.prefix_caching = prefix_caching
-        self.prefix_hit_tokens = 0
-        self.page_table = cache.page_table
-        self.max_batch_size = min(max_batch_size, self.page_table.max_batch_size)
+    def __init__(self, blocks: BlockManager, max_batch_size: int, max_tokens_per_step: int, chunk_block: int = 16):
+        self.blocks = blocks
+        self.max_batch_size = min(max_batch_size, blocks.max_rows)
         self.max_tokens_per_step = max_tokens_per_step
         self.chunk_block = chunk_block
         self.waiting: deque[Sequence] = deque()
@@ -104,84 +87,49 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Batch:
-        """Choose the next step's work; rows are claimed here, pages in ``cache.begin_packed_step``."""
-        pt, page = self.page_table, self.page_table.page_size
+        """Choose the next step's work; rows are claimed here, pages when the runner plans the step."""
+        blocks = self.blocks
         decode = [s for s in self.running if s.num_pending == 1]
-        needed = {s.index: pt.pages_needed(s.row, 1) for s in decode}
-        while sum(needed.values()) > pt.num_free_pages and len(self.running) > 1:
+        needed = {s.index: blocks.pages_needed(s, 1) for s in decode}
+        while sum(needed.values()) > blocks.num_free_pages and len(self.running) > 1:
             victim = self.running[-1]
             self.preempt(victim)
             decode = [s for s in decode if s is not victim]
             needed.pop(victim.index, None)
-        free = pt.num_free_pages - sum(needed.values())
+        free = blocks.num_free_pages - sum(needed.values())
         budget = (self.max_tokens_per_step - len(decode)) // self.chunk_block * self.chunk_block
         batch = Batch(decode=decode)
 
         def take(seq: Sequence) -> None:
             nonlocal free, budget
-            n = min(seq.num_pending, budget)
-            if pt.pages_needed(seq.row, n) > free:  # as many tokens as the free pages and the last page's tail hold
-                n = min(n, pt.room(seq.row, free))
-                n = n if n > 0 and pt.pages_needed(seq.row, n) <= free else 0
+            n = blocks.tokens_fitting(seq, min(seq.num_pending, budget), free)
             if n > 0:
                 batch.chunks.append((seq, n))
-                free -= pt.pages_needed(seq.row, n)
+                free -= blocks.pages_needed(seq, n)
                 budget -= cdiv(n, self.chunk_block) * self.chunk_block
 
         for seq in self.running:
             if seq.num_pending > 1 and budget > 0:
                 take(seq)
-        computing = self._keys_being_computed() if self.waiting else set()
+        computing = blocks.keys_being_computed(self.running) if self.waiting else set()
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             rows = len(self.running) + sum(s.forks for s in self.running)  # samples still to fork need rows too
             if rows + 1 + seq.forks > self.max_batch_size:
                 break
-            hit = self.cached_prefix(seq)
-            keys = seq.keys_upto(len(seq.tokens) - 1, page) if self.prefix_caching else []
+            hit, keys = blocks.cached_prefix(seq), blocks.prompt_keys(seq)
             if len(hit) < len(keys) and keys[len(hit)] in computing:
                 break  # a running request is computing its next page: wait a step and share it
-            revived = pt.unowned(hit)  # cached pages it takes out of the free pool
-            if cdiv(len(seq.tokens), page) - len(hit) + revived > free:  # admit only what the pool holds whole
+            if blocks.admission_pages(seq, hit) > free:  # admit only what the pool holds whole
                 break
             self.waiting.popleft()
-            seq.row = self.cache.add_sequence()
-            if hit:
-                pt.attach(seq.row, hit)
-                seq.num_registered, seq.num_computed = len(hit), len(hit) * page
-                self.prefix_hit_tokens += seq.num_computed
-                if not seq.output:
-                    seq.cached_tokens = max(seq.cached_tokens, seq.num_computed)
-                free -= revived
+            free -= blocks.allocate(seq, hit)
+            if hit and not seq.output:
+                seq.cached_tokens = max(seq.cached_tokens, seq.num_computed)
             self.running.append(seq)
             take(seq)
             computing.update(keys[len(hit) :])
         return batch
-
-    def _keys_being_computed(self) -> set[bytes]:
-        """Content keys of prompt pages that running requests have yet to register."""
-        if not self.prefix_caching:
-            return set()
-        page = self.page_table.page_size
-        return {key for s in self.running if s.num_pending > 1
-                for key in s.keys_upto(len(s.tokens) - 1, page)[s.num_registered :]}
-
-    def cached_prefix(self, seq: Sequence) -> list[int]:
-        """Registered pages holding the sequence's longest cached prefix; the last token is
-        always left to compute (its logits pick the next token)."""
-        if not self.prefix_caching:
-            return []
-        return self.page_table.lookup(seq.keys_upto(len(seq.tokens) - 1, self.page_table.page_size))
-
-    def register_pages(self, seq: Sequence) -> None:
-        """Offer the sequence's newly completed pages to the prefix cache."""
-        full = seq.num_computed // self.page_table.page_size
-        if not self.prefix_caching or full <= seq.num_registered:
-            return
-        keys = seq.keys_upto(full * self.page_table.page_size, self.page_table.page_size)
-        for i in range(seq.num_registered, full):
-            self.page_table.register(seq.row, i, keys[i])
-        seq.num_registered = full
 
     def computed(self, batch: Batch, sampled: list[Sequence]) -> list[tuple[Sequence, int]]:
         """After a step's forward: its tokens' K/V are in the cache (full pages offered to the
@@ -193,7 +141,7 @@ class Scheduler:
         for seq, n in batch.chunks:
             seq.num_computed += n
         for seq in batch.decode + [seq for seq, _ in batch.chunks]:
-            self.register_pages(seq)
+            self.blocks.register(seq)
         picks = []
         for row, seq in enumerate(sampled):
             if seq.forks and not seq.output:
@@ -202,10 +150,15 @@ class Scheduler:
             picks.append((seq, row))
         return picks
 
+    def rollback(self, batch: Batch) -> None:
+        """A step's forward failed: its tokens were never computed, their slots go back."""
+        for seq in batch.decode + [seq for seq, _ in batch.chunks]:
+            self.blocks.truncate(seq, seq.num_computed)
+
     def fork(self, seq: Sequence, index: int) -> Sequence:
         """A sibling sample of a running sequence sharing all of its pages (copy-on-write)."""
         child = Sequence(index, list(seq.tokens), seq.prompt_len, seq.max_new_tokens, seq.stop_token_ids,
-                         row=self.cache.fork(seq.row), num_computed=seq.num_computed, arrival=seq.arrival,
+                         row=self.blocks.fork(seq), num_computed=seq.num_computed, arrival=seq.arrival,
                          block_keys=list(seq.block_keys), num_registered=seq.num_registered,
                          cached_tokens=seq.cached_tokens)
         self.running.append(child)
@@ -213,9 +166,8 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's pages; it waits first in line and is recomputed later."""
-        self.cache.free_sequence(seq.row)
+        self.blocks.free(seq, recompute=True)
         self.running.remove(seq)
-        seq.row, seq.num_computed, seq.num_registered = None, 0, 0
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
@@ -228,6 +180,5 @@ class Scheduler:
         return [s.index for s in dropped]
 
     def finish(self, seq: Sequence) -> None:
-        self.cache.free_sequence(seq.row)
+        self.blocks.free(seq)
         self.running.remove(seq)
-        seq.row = None
