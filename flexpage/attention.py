@@ -10,6 +10,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from .compile import compile_static
 from .masks import PackedBlockMask, PagedBlockMask, ScoreMod, SequenceKV
 from .host import cdiv
+from .policy import device_policy
 
 
 def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options):
@@ -26,7 +27,7 @@ def kernel_options(query: Tensor, block_size: tuple[int, int]) -> dict | None:
     query block under 128 tokens sets the query tile and a page under 128 tokens the key tile
     (at most 64). One-token rows (decode) take the decode kernel, which fits its tiles itself.
     """
-    if query.device.type == "cpu" or query.shape[2] == 1:
+    if not device_policy(query.device).tile_options or query.shape[2] == 1:
         return None
     q_block, kv_block = block_size
     options = {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_N": min(kv_block, 64)}
@@ -95,7 +96,8 @@ def query_group(query: Tensor, key_pool: Tensor) -> int:
     the GPU decode kernel groups heads itself, and a compiled forward receives its masks ready.
     """
     heads, kv_heads = query.shape[1], key_pool.shape[1]
-    if query.device.type != "cpu" or heads == kv_heads or heads % kv_heads or torch.compiler.is_compiling():
+    if (not device_policy(query.device).grouped_decode_rows or heads == kv_heads or heads % kv_heads
+            or torch.compiler.is_compiling()):
         return 1
     return heads // kv_heads
 
@@ -164,7 +166,7 @@ def sequence_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, kv: 
     else:
         keys, values = key_pool[:, :, kv.slots], value_pool[:, :, kv.slots]
     batch, heads, n, _ = query.shape
-    if kv.earlier and query.device.type == "cpu":
+    if kv.earlier and device_policy(query.device).split_chunk_attention:
         return _chunk_after_earlier_keys(query, keys, values, kv.earlier, scale)
     if n == 1 and heads != keys.shape[1]:  # a decode token sees every key
         out = F.scaled_dot_product_attention(_heads_folded(query, keys.shape[1]), keys, values, scale=scale)
@@ -270,7 +272,8 @@ def sdpa_over_pages(device: torch.device, cap: float | None, sequences: int) -> 
     gathering every sequence's keys to a common width costs more than the FlexAttention call,
     which reads each sequence's own pages, and a call per token would multiply the dispatch.
     """
-    return sequences == 1 and cap is None and device.type == "cpu" and not torch.compiler.is_compiling()
+    return (sequences == 1 and cap is None and device_policy(device).sdpa_lone_sequence
+            and not torch.compiler.is_compiling())
 
 
 def _region_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, region, scale: float | None) -> Tensor:

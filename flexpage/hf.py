@@ -35,13 +35,13 @@ from .cache import PagedKVCache
 from .errors import UnsupportedModelError
 from .linear import FewRowLinears
 from .masks import PackedBlockMask, PagedBlockMask
+from .policy import device_policy
 from .host import cdiv
 
 FALLBACKS = {"sdpa": "flexpage", "eager": "flexpage_eager"}  # stock implementation -> our name
-# wrap's page size when none is given: a KV block is a page, and the CPU FlexAttention template pays
-# per block, so larger pages decode faster there (the README's figures); elsewhere 16, FlexAttention's
-# smallest CUDA tile
-CPU_PAGE_SIZE, PAGE_SIZE = 64, 16
+# wrap's page size when none is given is the device policy's; a pool smaller than that gets pages of 16
+# tokens, FlexAttention's smallest CUDA tile
+MIN_PAGE_SIZE = 16
 SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
 # Config flags whose attention flexpage does not reproduce (attribute -> what it means).
 UNSUPPORTED_FLAGS = {
@@ -109,8 +109,8 @@ def wrap(
     stock = check_supported(model)
     devices = _layer_devices(model)
     if page_size is None:  # a pool smaller than one CPU page keeps 16-token pages
-        on_cpu = all(device.type == "cpu" for device in devices) and max_cached_tokens >= CPU_PAGE_SIZE
-        page_size = CPU_PAGE_SIZE if on_cpu else PAGE_SIZE
+        page_size = min(device_policy(device).page_size for device in devices)
+        page_size = page_size if max_cached_tokens >= page_size else MIN_PAGE_SIZE
     if max_cached_tokens < page_size:
         raise ValueError(f"max_cached_tokens ({max_cached_tokens}) must hold at least one page of {page_size}")
     num_pages = cdiv(max_cached_tokens, page_size)

@@ -7,6 +7,8 @@ from typing import Sequence
 
 import torch
 
+from .policy import device_policy
+
 _TYPECODES = {torch.int64: "q", torch.int32: "i"}
 
 
@@ -19,6 +21,6 @@ def host_tensor(values: Sequence[int], device: torch.device, dtype: torch.dtype 
     """Host ints as a 1-D tensor on ``device``. On the CPU the tensor wraps the ints' own buffer
     (``torch.frombuffer``): a step's host work runs right after a forward has evicted every
     cache, where ``torch.tensor`` of a few ints costs several times more. Elsewhere: one copy."""
-    if device.type == "cpu" and len(values):
+    if device_policy(device).zero_copy_host_ints and len(values):
         return torch.frombuffer(array(_TYPECODES[dtype], values), dtype=dtype)
     return torch.tensor(values, dtype=dtype, device=device)

@@ -24,6 +24,7 @@ from .compile import compile_static
 from .mods import MaskMod, ScoreMod, causal, sliding_window, softcap
 from .host import cdiv
 from .pages import PackedPlan, PageTable, StepPlan
+from .policy import device_policy
 
 
 Q_BLOCK_SIZE = 128
@@ -37,7 +38,7 @@ def metadata_width(page_table: PageTable) -> int:
     so on CPU the columns must cover the whole pool (sink page included). Elsewhere the
     metadata stays sized by batch x pages-per-sequence, independent of the pool.
     """
-    if page_table.device.type == "cpu":
+    if device_policy(page_table.device).pool_wide_metadata:
         return page_table.num_pages + 1
     return page_table.max_pages_per_seq
 
@@ -278,7 +279,8 @@ def _build(page_table: PageTable, plan: StepPlan | DecodeRows, mask_mod: MaskMod
     # one-token rows on CPU take inductor's decoding template, which needs rows listing equal
     # block counts (``_block_metadata``); grouped rows (a query per head of the group) take the
     # attention template, which walks each row's own blocks, so they list exactly their pages
-    uniform = plan.q_len == 1 and group == 1 and page_table.device.type == "cpu" and len(plan.rows) > 1
+    uniform = (plan.q_len == 1 and group == 1 and device_policy(page_table.device).uniform_decode_rows
+               and len(plan.rows) > 1)
     paged_mask = paged_mask_mod(page_table, plan, mask_mod)
     kv_num, kv_indices, full_num, full_indices = _block_metadata(
         page_table.table,

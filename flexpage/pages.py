@@ -16,6 +16,7 @@ import torch
 
 from .errors import OutOfPagesError
 from .host import cdiv, host_tensor
+from .policy import device_policy
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,7 @@ class PageTable:
         # On CPU the mirrors are written through NumPy views of the same memory: a step's few
         # updates then cost no tensor op each (tens of microseconds a step at batch 32).
         self._host = ({name: getattr(self, name).numpy() for name in ("table", "page_logical", "lens")}
-                      if self.device.type == "cpu" else {})
+                      if device_policy(self.device).zero_copy_host_ints else {})
 
     def _set(self, mirror: str, index: Any, values: int | Sequence[int]) -> None:
         """``mirror[index] = values`` for host ints: through the NumPy view on CPU, else one copy."""
@@ -414,7 +415,7 @@ class PageTable:
         slots = [seq_pages[r][p // page_size] * page_size + p % page_size if p >= 0 else sink
                  for r, p in zip(rows, positions)]
         fields = (slots, rows, positions, [max(p, 0) for p in positions])
-        if self.device.type == "cpu":  # a tensor over each field's ints: no copy, fewer ops than views of one
+        if device_policy(self.device).zero_copy_host_ints:  # a tensor over each field's ints: fewer ops than views of one
             slots_t, rows_t, pos_t, ids_t = (self._tensor(values) for values in fields)
         else:  # one host-to-device copy
             slots_t, rows_t, pos_t, ids_t = self._tensor([v for values in fields for v in values]).view(4, q_len)

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .policy import device_policy
+
 NUCLEUS_TRIES = 4  # draws a top-p row may reject before its nucleus is computed (at p = 0.9: 1e-4 of rows)
 FIRST_WIDTH = 256  # where top_p_filtered looks for its threshold first (a radix select if they miss the nucleus)
 RADIX_DIGITS = ((20, 11), (9, 11), (0, 9))  # (shift, bits) of each pass over a float's 31 non-sign bits
@@ -41,7 +43,7 @@ def greedy_tokens(logits: Tensor) -> list[int]:
     after a forward, when every cache is cold. Ties and NaNs resolve as argmax's do
     (the first one wins). Other devices and dtypes (NumPy has no bfloat16 and a slower float16
     argmax than torch's) take torch's argmax."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+    if device_policy(logits.device).host_sampling and logits.dtype == torch.float32:
         return logits.numpy().argmax(-1).tolist()
     return logits.argmax(-1).tolist()
 
@@ -83,7 +85,7 @@ class Sampler:
                 tokens[i] = token if valid else None
         if whole:  # over the whole vocabulary, in its own order
             scores, temperatures = _rows(logits, whole), [temperature[i] for i in whole]
-            if logits.device.type == "cpu" and len(whole) >= MANY_ROWS:
+            if device_policy(logits.device).host_sampling and len(whole) >= MANY_ROWS:
                 cdf = BlockedCdf(self._probs(scores, temperatures))
             else:  # few rows; or a GPU: it allocates from a cache, and its cumsum is one kernel against the blocks' ~15
                 cdf = Cdf(_scaled(scores, temperatures).softmax(-1))
@@ -198,7 +200,7 @@ def mass_above(probs: Tensor, rows: list[int], values: list[float], row_by_row: 
     in ``values``. One pass over the rows at once, or (on the CPU, where comparisons into bool masks
     and fresh megabytes cost more than a loop) a row at a time into one reused row."""
     if row_by_row is None:
-        row_by_row = probs.device.type == "cpu"
+        row_by_row = device_policy(probs.device).host_sampling
     if row_by_row:
         scratch = probs.new_empty(probs.shape[1])
         return [float(torch.threshold(probs[row], value, 0.0, out=scratch).sum()) for row, value in zip(rows, values)]

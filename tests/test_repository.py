@@ -73,3 +73,12 @@ def test_no_module_reads_the_wrapped_state_or_the_page_tables_internals():
         if "serve" in path.parts:
             offenders += [f"{where}: {m}" for m in re.findall(r"engine\.(?:_\w+|scheduler)", text)]
     assert not offenders, offenders
+
+
+def test_device_choices_are_the_policys():
+    """CPU-versus-accelerator choices are read from ``flexpage.policy`` (one object per device
+    kind); only the CPU-only kernels (``linear``, ``memory``) check that their tensors are on the CPU."""
+    offenders = [f"{path.relative_to(ROOT)}: {m}" for path in sorted((ROOT / "flexpage").rglob("*.py"))
+                 if path.name not in ("policy.py", "linear.py", "memory.py") and "bench" not in path.parts
+                 for m in re.findall(r"device\.type\s*[!=]=|\.is_cuda\b", path.read_text())]
+    assert not offenders, offenders
