@@ -49,6 +49,7 @@ class PagedLayer(CacheLayerMixin):
     # transformers compiles decode forwards over caches whose layers are all compileable;
     # flexpage opts a cache in per layer only for wrap(compile_decode=True).
     is_compileable = False
+    is_croppable = True  # ``PagedKVCache.crop`` truncates rows: assisted generation's rollback
 
     def __init__(self, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
         super().__init__()

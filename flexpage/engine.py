@@ -21,16 +21,15 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from .block_manager import BlockManager
+from .counters import Counters
 from .errors import InvalidRequestError, RequestFailedError
 from .hf import paged_state, wrap
-from .model_runner import ModelRunner
+from .model_runner import Forward, ModelRunner
 from .parallel import RankSync
 from .requests import (EngineStats, SamplingParams, StepOutput, StepSummary, TokenLogprobs, checked_prompt,
-                       per_prompt_params)
-from .scheduler import Scheduler, Sequence
-
-HISTORY_STEPS = 10_000  # steps ``Engine.history`` keeps, the latest: a server steps for days
-
+                       all_checked, per_prompt_params)
+from .scheduler import Batch, Scheduler, Sequence
+from .speculative import Proposer, proposer
 
 class Engine:
     """Serve many token-id prompts from one paged KV cache of ``max_cached_tokens`` tokens.
@@ -46,10 +45,13 @@ class Engine:
     gloo group by default) so every rank takes the same steps; the other ranks call ``follow()``
     until rank 0 calls ``close()``. ``check_ranks`` compares every step's plan across ranks.
     ``few_row_linears`` and ``pack_weights`` are ``wrap``'s options (CPU linear layers through the
-    GEMM measured fastest; a packed copy of the weights for oneDNN, faster at many rows). The
-    engine packs by default (``None``) when the copy needs at most a quarter of the memory
-    available, as a server takes its KV pool up front; ``stats().packed_weight_bytes`` says what
-    it holds, ``pack_weights=False`` keeps one copy of the weights.
+    GEMM measured fastest; a packed copy of the weights for oneDNN, faster at many rows), packed
+    by default (``None``) when the copy needs at most a quarter of the memory available.
+
+    With ``speculative`` (``"ngram"``: prompt lookup over each request's own tokens, or a
+    proposer ``(tokens, k) -> drafts`` of one's own) each decoding sequence feeds up to
+    ``num_speculative_tokens`` drafted tokens, verified in the same forward; it keeps the drafts
+    the model agrees with and one token more, so tokens are exactly those without speculation.
     """
 
     def __init__(
@@ -67,6 +69,8 @@ class Engine:
         check_ranks: bool = False,
         few_row_linears: bool = True,
         pack_weights: bool | None = None,
+        speculative: str | Proposer | None = None,
+        num_speculative_tokens: int = 4,
     ) -> None:
         self.model = wrap(model, page_size=page_size, max_cached_tokens=max_cached_tokens,
                           max_batch_size=max_batch_size, max_seq_len=max_seq_len, few_row_linears=few_row_linears,
@@ -76,7 +80,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.runner = ModelRunner(self.model, self.cache, state.cache_argument, max_batch_size, max_tokens_per_step)
         self.blocks = BlockManager(self.cache, prefix_caching)
-        self.scheduler = Scheduler(self.blocks, max_batch_size, max_tokens_per_step, self.runner.chunk_block)
+        self.scheduler = Scheduler(self.blocks, max_batch_size, max_tokens_per_step, self.runner.chunk_block,
+                                   proposer(speculative, num_speculative_tokens, self.model.config.vocab_size), num_speculative_tokens)
         self.warmup_seconds = 0.0
         self._next_index = 0
         self.ranks = RankSync.for_model(self.model, tp_group, check_ranks)
@@ -142,7 +147,7 @@ class Engine:
         ``eos_token_id``, ``num_return_sequences``) apply to every prompt. With
         ``num_return_sequences=n`` sample ``j`` of prompt ``i`` is output ``i * n + j``, as in
         ``generate()``. Closing the stream early cancels its unfinished requests (pages freed)."""
-        params = self._params(prompts, max_new_tokens, sampling)
+        params = all_checked(prompts, per_prompt_params(len(prompts), max_new_tokens, sampling), self._checked)
         first = self._next_index
         for prompt, p in zip(prompts, params):
             self.add_request(prompt, p)
@@ -161,7 +166,7 @@ class Engine:
         with tqdm(total=len(outputs), desc="requests", unit="req", disable=not progress) as bar:
             for i, token in self.stream(prompts, max_new_tokens, **sampling):
                 outputs[i].append(token)
-                bar.update(self._finished - bar.n)
+                bar.update(self.counters.finished - bar.n)
         return outputs
 
     def abort(self, indices: Collection[int]) -> list[int]:
@@ -189,7 +194,7 @@ class Engine:
                 if failed:
                     raise RequestFailedError("; ".join(failed))
         finally:
-            self._seconds += time.perf_counter() - start
+            self.counters.seconds += time.perf_counter() - start
 
     # ------------------------------------------------------------------ tensor parallelism
     def follow(self) -> dict[int, list[int]]:
@@ -210,6 +215,13 @@ class Engine:
             self.ranks.send(("close",))
             self._sync()
 
+    def _synced(self) -> bool:
+        """Before a tensor-parallel step: take rank 0's commands; False once it has closed."""
+        if self._closed:
+            raise RuntimeError("this tensor-parallel engine was closed: its other ranks no longer follow")
+        self._sync()
+        return not self._closed
+
     def _sync(self) -> None:
         """Exchange rank 0's commands; the other ranks apply them (rank 0 already has)."""
         for command, *args in self.ranks.exchange():
@@ -227,15 +239,11 @@ class Engine:
         its finish reason, the logprobs asked for and, with a first token, the prefix-cache hits and
         time to it), or the error that failed the request (already aborted, its pages freed)."""
         step_start = time.perf_counter()
-        if self.ranks is not None:
-            if self._closed:
-                raise RuntimeError("this tensor-parallel engine was closed: its other ranks no longer follow")
-            self._sync()
-            if self._closed:
-                return []
+        if self.ranks is not None and not self._synced():
+            return []
         batch = self.scheduler.schedule()
         if self.ranks is not None:
-            self.ranks.compare((tuple(s.index for s in batch.decode), tuple((s.index, n) for s, n in batch.chunks)))
+            self.ranks.compare(batch.signature())
         if not batch:
             return []
         try:
@@ -244,14 +252,38 @@ class Engine:
             self.scheduler.rollback(batch)
             raise
         picks = self.scheduler.computed(batch, forward.sampled)  # each sequence with its row of the logits
-        tokens, logprobs, failed = self.runner.pick(forward.logits, picks)
-        records = [StepOutput(seq.index, None, "error", error=failed[seq.index]) if token is None
-                   else self._append(seq, token, logprobs.get(seq.index)) for (seq, _), token in zip(picks, tokens)]
+        records, failed = self._pick(forward.logits, picks)
+        if batch.verify:
+            self._verify(batch, forward, records, failed)
         if failed:  # every rank fails the same rows (same logits, same seeds): no broadcast
             self._drop(failed)
-        self._record(batch, forward, len(records) - len(failed))
-        self._host_seconds += time.perf_counter() - step_start - forward.seconds
+        self.counters.step(batch, forward, len(records) - len(failed), self.cache.stats(),
+                           self.runner.compiled_shapes(forward.decode_len, forward.chunk_len), step_start)
         return records
+
+    def _pick(self, logits: torch.Tensor, picks: list[tuple[Sequence, int]]) -> tuple[list[StepOutput], dict[int, str]]:
+        """Each sequence's next token from its row of ``logits``, appended; the failed ones' errors."""
+        tokens, logprobs, failed = self.runner.pick(logits, picks)
+        return [StepOutput(seq.index, None, "error", error=failed[seq.index]) if token is None
+                else self._append(seq, token, logprobs.get(seq.index)) for (seq, _), token in zip(picks, tokens)], failed
+
+    def _verify(self, batch: Batch, forward: Forward, records: list[StepOutput], failed: dict[int, str]) -> None:
+        """Speculating sequences pick a token at each fed position in turn, as they would one step
+        at a time (greedy, sampled, penalised alike), while each picked token equals the draft fed
+        after it; then their rejected drafts' slots are given back. Adds to ``records``, ``failed``."""
+        going = list(batch.verify)
+        for j in range(1 + max(len(seq.drafts) for seq in going)):
+            picked, errors = self._pick(forward.logits, [(seq, forward.verify_rows[seq.index] + j) for seq in going])
+            records += picked
+            failed |= errors
+            agreed = [seq for seq, out in zip(going, picked)
+                      if out.finish_reason is None and j < len(seq.drafts) and out.token == seq.drafts[j]]
+            self.counters.accepted += len(agreed)
+            going = agreed
+        for seq in batch.verify:
+            self.counters.drafted += len(seq.drafts)
+            self.scheduler.settle(seq)
+        self.counters.verifications += len(batch.verify)
 
     def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> StepOutput:
         """A sequence's new token, and its end (pages freed) if the token ends it."""
@@ -262,7 +294,7 @@ class Engine:
             reason = "stop" if token in seq.stop_token_ids else "length"
             self.scheduler.finish(seq)
             self.runner.forget([seq.index])
-            self._finished += 1
+            self.counters.finished += 1
         return StepOutput(seq.index, token, reason, logprobs, seq.cached_tokens if first else None,
                           time.perf_counter() - seq.arrival if first else None)
 
@@ -280,58 +312,37 @@ class Engine:
 
     def stats(self) -> EngineStats:
         linears = getattr(paged_state(self.model), "linears", None)  # None once the model is unwrapped
+        c = self.counters
         return EngineStats(
-            steps=self._steps,
-            forward_launches=self._steps,
-            attention_calls=self._attention_calls,
-            compiled_shapes=len(self._shapes),
+            steps=c.steps,
+            forward_launches=c.steps,
+            attention_calls=c.attention_calls,
+            compiled_shapes=len(c.shapes),
             preemptions=self.scheduler.preemptions,
-            peak_pages_used=self._peak_pages,
-            kv_utilisation=self._utilisation_sum / self._steps if self._steps else 1.0,
-            prompt_tokens_computed=self._prefill_tokens,
-            prefix_hit_tokens=self.blocks.hit_tokens - self._hits_at_reset,
-            tokens_generated=self._generated,
-            seconds=self._seconds,
+            peak_pages_used=c.peak_pages,
+            kv_utilisation=c.utilisation_sum / c.steps if c.steps else 1.0,
+            prompt_tokens_computed=c.prefill_tokens,
+            prefix_hit_tokens=self.blocks.hit_tokens - c.prefix_hits_at_reset,
+            tokens_generated=c.generated,
+            seconds=c.seconds,
             warmup_seconds=self.warmup_seconds,
-            host_ms_per_step=self._host_seconds / self._steps * 1e3 if self._steps else 0.0,
+            host_ms_per_step=c.host_seconds / c.steps * 1e3 if c.steps else 0.0,
             packed_weight_bytes=linears.packed_bytes if linears else 0,
+            drafted_tokens=c.drafted,
+            accepted_tokens=c.accepted,
+            verifications=c.verifications,
         )
 
     def _checked(self, prompt: Seq[int] | str, params: SamplingParams) -> list[int]:
         """The prompt's token ids, or ``InvalidRequestError`` saying why it cannot be served."""
         return checked_prompt(prompt, params, self.tokenizer, self.model.config.vocab_size, self.max_seq_len)
 
-    def _params(self, prompts, max_new_tokens, sampling) -> list[SamplingParams]:
-        """One SamplingParams per prompt; every prompt is checked before any is queued."""
-        params = per_prompt_params(len(prompts), max_new_tokens, sampling)
-        errors = []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            try:
-                self._checked(prompt, p)
-            except InvalidRequestError as error:
-                errors.append(f"prompt {i}: {error}")
-        if errors:
-            raise InvalidRequestError("; ".join(errors))
-        return params
-
     def reset_stats(self) -> None:
         """Start counting afresh (``stats()`` and ``history``)."""
-        self._steps = self._attention_calls = self._peak_pages = 0
-        self._prefill_tokens = self._generated = self._finished = 0
-        self._utilisation_sum = self._seconds = self._host_seconds = 0.0
-        self._shapes: set[tuple[str, int]] = set()
-        self._hits_at_reset = self.blocks.hit_tokens
-        self.history: deque[StepSummary] = deque(maxlen=HISTORY_STEPS)
+        self.counters = Counters(self.blocks.hit_tokens)
 
-    def _record(self, batch, forward, produced: int) -> None:
-        stats = self.cache.stats()
-        self._steps += 1
-        self._attention_calls += (forward.decode_len > 0) + (forward.chunk_len > 0)
-        self._shapes.update(self.runner.compiled_shapes(forward.decode_len, forward.chunk_len))
-        self._peak_pages = max(self._peak_pages, stats.pages_used)
-        self._utilisation_sum += stats.utilisation
-        self._prefill_tokens += sum(n for _, n in batch.chunks)
-        self._generated += produced
-        self.history.append(StepSummary(time.perf_counter(), len(batch.decode), sum(n for _, n in batch.chunks),
-                                       stats.pages_used, stats.utilisation))
+    @property
+    def history(self) -> deque[StepSummary]:
+        """What each of the latest steps did (``StepSummary``), oldest first."""
+        return self.counters.history
 

@@ -233,15 +233,24 @@ def cache_argument(model: torch.nn.Module) -> str:
 
 
 def _paged_generate(self: PreTrainedModel, *args: Any, **kwargs: Any) -> Any:
-    """``generate`` on a wrapped model: uses the model's PagedKVCache unless given a cache."""
+    """``generate`` on a wrapped model: uses the model's PagedKVCache unless given a cache. Its
+    pages are given back when generate returns, unless the output hands the cache to the caller
+    (``return_dict_in_generate``, as an assistant model's drafts do, to continue from it); the
+    next call without a cache starts it afresh."""
     if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None or kwargs.get("use_cache") is False:
         return type(self).generate(self, *args, **kwargs)
     cache = self._flexpage.cache
     cache.reset()
+    config = kwargs.get("generation_config") or self.generation_config
+    handed_back = kwargs.get("return_dict_in_generate", config.return_dict_in_generate)
     try:
-        return type(self).generate(self, *args, **{self._flexpage.cache_argument: cache}, **kwargs)
-    finally:
+        output = type(self).generate(self, *args, **{self._flexpage.cache_argument: cache}, **kwargs)
+    except BaseException:
         cache.reset()
+        raise
+    if not handed_back:
+        cache.reset()
+    return output
 
 
 def new_token_counts(attention_mask: torch.Tensor | None, batch: int, q_len: int) -> list[int]:

@@ -12,7 +12,7 @@ and graph-captured steps belong here.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
@@ -38,13 +38,15 @@ MIN_CHUNK_REGION = 64  # the smallest chunk-region bucket
 @dataclass
 class Forward:
     """A step's forward: the logits of its sampling positions (one row per ``sampled`` sequence,
-    in order), its attention regions' sizes and the seconds the model took."""
+    in order, then for each speculating sequence a row per fed token from ``verify_rows[index]``
+    on), its attention regions' sizes and the seconds the model took."""
 
     logits: torch.Tensor
     sampled: list[Sequence]
     decode_len: int
     chunk_len: int
     seconds: float
+    verify_rows: dict[int, int] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -96,10 +98,12 @@ class ModelRunner:
         the chunk block). Raises ``StepFailedError`` if it fails (``Scheduler.rollback`` gives the slots back)."""
         decode_len = self.decode_len(len(batch.decode))
         block = self.chunk_block
-        aligned = sum(cdiv(n, block) * block for _, n in batch.chunks)
+        # speculating sequences are chunks of the chunk region: their last token and their drafts
+        chunks = batch.chunks + [(seq, 1 + len(seq.drafts)) for seq in batch.verify]
+        aligned = sum(cdiv(n, block) * block for _, n in chunks)
         chunk_len = aligned if self.sdpa or not aligned else _bucket(aligned, MIN_CHUNK_REGION)  # buckets: graphs
         plan = self.cache.begin_packed_step(
-            [s.row for s in batch.decode], [(s.row, n) for s, n in batch.chunks], decode_len, chunk_len, block
+            [s.row for s in batch.decode], [(s.row, n) for s, n in chunks], decode_len, chunk_len, block
         )
         ids = [seq.tokens[-1] for seq in batch.decode]  # not padded to decode_len: attention pads its rows
         keep, sampled = list(range(len(batch.decode))), list(batch.decode)  # positions whose logits pick a token
@@ -109,13 +113,18 @@ class ModelRunner:
             if seq.num_computed + n == len(seq.tokens):  # the chunk ends the prompt: its last logit samples
                 keep.append(len(ids) - span + n - 1)
                 sampled.append(seq)
+        verify_rows = {}
+        for seq in batch.verify:  # every fed token's logits: each position verifies the draft after it
+            n = 1 + len(seq.drafts)
+            verify_rows[seq.index] = len(keep)
+            keep += range(len(ids), len(ids) + n)
+            ids += [seq.tokens[-1], *seq.drafts] + [0] * (cdiv(n, block) * block - n)
         ids += [0] * (plan.q_len - len(ids))
         try:
             logits, seconds = self._logits(ids, plan, keep)
         except Exception as error:  # the step's tokens were never computed (the scheduler rolls them back)
-            stepped = batch.decode + [seq for seq, _ in batch.chunks]
-            raise StepFailedError([seq.index for seq in stepped], error) from error
-        return Forward(logits, sampled, decode_len, chunk_len, seconds)
+            raise StepFailedError([seq.index for seq in batch.stepped], error) from error
+        return Forward(logits, sampled, decode_len, chunk_len, seconds, verify_rows)
 
     def _logits(self, ids: list[int], plan, keep: list[int]) -> tuple[torch.Tensor, float]:
         """One forward over a packed step: the logits of the ``keep`` positions, and the seconds

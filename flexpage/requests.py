@@ -6,7 +6,7 @@ step, ``EngineStats``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 from typing import Sequence as Seq
 
 from .errors import InvalidRequestError
@@ -118,6 +118,19 @@ class EngineStats:
     warmup_seconds: float  # compiling every step shape (``Engine.warmup``), outside ``seconds``
     host_ms_per_step: float  # a step's time outside the model forward (schedule, plan, sampling, bookkeeping)
     packed_weight_bytes: int  # memory of the weights' packed copies (``pack_weights``); 0 without them
+    drafted_tokens: int = 0  # speculated tokens verified (``Engine(speculative=...)``)
+    accepted_tokens: int = 0  # of those, the ones the model agreed with
+    verifications: int = 0  # sequence-steps that verified drafts
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens (0 without speculation)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def tokens_per_verification(self) -> float:
+        """Tokens a speculating sequence gained per forward: its accepted drafts and one more."""
+        return 1 + self.accepted_tokens / self.verifications if self.verifications else 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,3 +191,18 @@ def per_prompt_params(num_prompts: int, max_new_tokens: int | Seq[int], sampling
     width = sampling.get("num_return_sequences", 1)
     return [SamplingParams(max_new_tokens=n, seed=None if seed is None else seed + i * width, **sampling)
             for i, n in enumerate(counts)]
+
+
+def all_checked(prompts: Seq[Seq[int] | str], params: list[SamplingParams],
+                check: Callable[[Seq[int] | str, SamplingParams], Any]) -> list[SamplingParams]:
+    """``params`` once ``check`` passes every prompt; else one ``InvalidRequestError`` naming each
+    prompt that fails and why (so a call queues all of its prompts or none)."""
+    errors = []
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        try:
+            check(prompt, p)
+        except InvalidRequestError as error:
+            errors.append(f"prompt {i}: {error}")
+    if errors:
+        raise InvalidRequestError("; ".join(errors))
+    return params

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .host import cdiv
+from .speculative import Proposer
 
 
 @dataclass
@@ -35,6 +36,7 @@ class Sequence:
     block_keys: list[bytes] = field(default_factory=list)  # content keys of the first full pages (memo)
     num_registered: int = 0  # leading pages registered in the prefix cache
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache when first admitted
+    drafts: list[int] = field(default_factory=list)  # speculated tokens this step verifies
 
     @property
     def output(self) -> list[int]:
@@ -53,13 +55,25 @@ class Sequence:
 
 @dataclass
 class Batch:
-    """One step's work: decode sequences (one token each) and prefill chunks ``(sequence, tokens)``."""
+    """One step's work: decode sequences (one token each), prefill chunks ``(sequence, tokens)``
+    and speculating sequences (their last token and their ``drafts``, verified at once)."""
 
     decode: list[Sequence] = field(default_factory=list)
     chunks: list[tuple[Sequence, int]] = field(default_factory=list)
+    verify: list[Sequence] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.decode or self.chunks)
+        return bool(self.decode or self.chunks or self.verify)
+
+    def signature(self) -> tuple:
+        """What the step computes, by output index (tensor-parallel ranks compare it)."""
+        return (tuple(s.index for s in self.decode), tuple((s.index, n) for s, n in self.chunks),
+                tuple((s.index, tuple(s.drafts)) for s in self.verify))
+
+    @property
+    def stepped(self) -> list[Sequence]:
+        """Every sequence whose tokens this step computes."""
+        return self.decode + [seq for seq, _ in self.chunks] + self.verify
 
 
 class Scheduler:
@@ -70,8 +84,10 @@ class Scheduler:
     (their prefill is skipped), and the full pages it computes are registered for later requests.
     """
 
-    def __init__(self, blocks: BlockManager, max_batch_size: int, max_tokens_per_step: int, chunk_block: int = 16):
+    def __init__(self, blocks: BlockManager, max_batch_size: int, max_tokens_per_step: int, chunk_block: int = 16,
+                 propose: Proposer | None = None, num_speculative_tokens: int = 0):
         self.blocks = blocks
+        self.propose, self.num_speculative_tokens = propose, num_speculative_tokens
         self.max_batch_size = min(max_batch_size, blocks.max_rows)
         self.max_tokens_per_step = max_tokens_per_step
         self.chunk_block = chunk_block
@@ -97,8 +113,11 @@ class Scheduler:
             decode = [s for s in decode if s is not victim]
             needed.pop(victim.index, None)
         free = blocks.num_free_pages - sum(needed.values())
-        budget = (self.max_tokens_per_step - len(decode)) // self.chunk_block * self.chunk_block
         batch = Batch(decode=decode)
+        spare = self.max_tokens_per_step - len(decode)
+        if self.propose is not None:
+            free, spare = self._speculate(batch, needed, free, spare)
+        budget = spare // self.chunk_block * self.chunk_block
 
         def take(seq: Sequence) -> None:
             nonlocal free, budget
@@ -131,15 +150,35 @@ class Scheduler:
             computing.update(keys[len(hit) :])
         return batch
 
+    def _speculate(self, batch: Batch, needed: dict[int, int], free: int, spare: int) -> tuple[int, int]:
+        """Move decode sequences with drafts (``propose``) into ``batch.verify`` where their pages and
+        the step's tokens allow, oldest first; drafts never preempt or delay a prompt already
+        running. Returns the free pages and tokens left."""
+        for seq in list(batch.decode):
+            limit = min(self.num_speculative_tokens, seq.max_new_tokens - len(seq.output) - 1, spare)
+            drafts = self.propose(seq.tokens, limit)[:limit] if limit > 0 else []
+            n = self.blocks.tokens_fitting(seq, 1 + len(drafts), free + needed[seq.index])
+            cost = cdiv(n, self.chunk_block) * self.chunk_block  # a row of the chunk region, for its decode token
+            if n > 1 and cost - 1 <= spare:
+                seq.drafts = drafts[: n - 1]
+                batch.decode.remove(seq)
+                batch.verify.append(seq)
+                free -= self.blocks.pages_needed(seq, n) - needed[seq.index]
+                spare -= cost - 1
+        return free, spare
+
     def computed(self, batch: Batch, sampled: list[Sequence]) -> list[tuple[Sequence, int]]:
         """After a step's forward: its tokens' K/V are in the cache (full pages offered to the
-        prefix cache). Returns each sequence that picks a token now with its row of the step's
-        logits (``sampled``'s order); a prompt just finished with ``n`` samples asked for splits
-        into its ``n - 1`` siblings here (``forks``), each picking from the same row."""
+        prefix cache; a speculating sequence's once its drafts are settled, ``settle``). Returns
+        each sequence that picks a token now with its row of the step's logits (``sampled``'s
+        order); a prompt just finished with ``n`` samples asked for splits into its ``n - 1``
+        siblings here (``forks``), each picking from the same row."""
         for seq in batch.decode:
             seq.num_computed += 1
         for seq, n in batch.chunks:
             seq.num_computed += n
+        for seq in batch.verify:
+            seq.num_computed += 1 + len(seq.drafts)
         for seq in batch.decode + [seq for seq, _ in batch.chunks]:
             self.blocks.register(seq)
         picks = []
@@ -150,9 +189,18 @@ class Scheduler:
             picks.append((seq, row))
         return picks
 
+    def settle(self, seq: Sequence) -> None:
+        """A speculating sequence has appended the tokens it accepted: the K/V of its rejected
+        drafts are dropped (their slots given back) and its full pages registered."""
+        seq.drafts = []
+        if seq.row is not None:  # still running
+            self.blocks.truncate(seq, len(seq.tokens) - 1)
+            self.blocks.register(seq)
+
     def rollback(self, batch: Batch) -> None:
         """A step's forward failed: its tokens were never computed, their slots go back."""
-        for seq in batch.decode + [seq for seq, _ in batch.chunks]:
+        for seq in batch.stepped:
+            seq.drafts = []
             self.blocks.truncate(seq, seq.num_computed)
 
     def fork(self, seq: Sequence, index: int) -> Sequence:

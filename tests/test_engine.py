@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flexpage
-from flexpage import engine as engine_module, linear, model_runner, zoo
+from flexpage import counters, linear, model_runner, zoo
 from flexpage import InvalidRequestError
 from flexpage.bench.measure import compiled_graphs
 from reference import LENGTHS, NEW_TOKENS, VOCAB, make_engine, stock_adjusted, stock_greedy, workload
@@ -160,7 +160,7 @@ def test_a_prompt_longer_than_a_step_is_prefilled_over_several_steps(stock_llama
 
 def test_history_keeps_the_latest_steps(monkeypatch):
     """A server steps for days: ``history`` is a window of the latest steps, not a growing list."""
-    monkeypatch.setattr(engine_module, "HISTORY_STEPS", 4)
+    monkeypatch.setattr(counters, "HISTORY_STEPS", 4)
     engine = make_engine(warmup=False, max_tokens_per_step=64)
     engine.generate(workload((150,)), max_new_tokens=4)  # chunks of 64, 64 and 22 tokens, then 3 decodes
     assert engine.stats().steps == 6

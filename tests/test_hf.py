@@ -299,3 +299,49 @@ def test_compiled_decode_matches_stock_without_recompiles():
     assert compiled_graphs() == graphs  # a new prompt length reuses the decode graph (prefill bucket 64 too)
     flexpage.unwrap(model)
     assert model.generation_config.compile_config is None
+
+
+def repetitive_prompt() -> torch.Tensor:
+    """A prompt that repeats itself, so prompt lookup finds drafts."""
+    base = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    return torch.cat([base, base, base[:, :5]], 1)
+
+
+@pytest.mark.parametrize("assistant", ["prompt_lookup", "same_weights", "other_weights"])
+def test_assisted_generation_matches_stock(assistant, monkeypatch):
+    """Assisted generate() (prompt lookup; a wrapped assistant on its own paged cache, agreeing or
+    not) gives stock assisted generation's tokens, which are stock greedy's; drafts that agree
+    save forwards of the main model, and rejected ones are cropped from both caches."""
+    stock, paged = zoo.build("llama-tiny"), flexpage.wrap(zoo.build("llama-tiny"))
+    ids = repetitive_prompt()
+    if assistant == "prompt_lookup":
+        stock_kw = paged_kw = {"prompt_lookup_num_tokens": 3}
+    else:
+        seed = 0 if assistant == "same_weights" else 1
+        stock_kw = {"assistant_model": zoo.build("llama-tiny", seed=seed)}
+        paged_kw = {"assistant_model": flexpage.wrap(zoo.build("llama-tiny", seed=seed))}
+    plain = stock.generate(ids, max_new_tokens=30, do_sample=False)
+    forwards = {"stock": 0, "paged": 0}
+    for name, model in (("stock", stock), ("paged", paged)):
+        model.register_forward_pre_hook(lambda module, args, name=name: forwards.__setitem__(name, forwards[name] + 1))
+    expected = stock.generate(ids, max_new_tokens=30, do_sample=False, **stock_kw)
+    got = paged.generate(ids, max_new_tokens=30, do_sample=False, **paged_kw)
+    assert torch.equal(got, expected) and torch.equal(got, plain)
+    assert forwards["paged"] == forwards["stock"]  # the same drafts accepted
+    if assistant == "same_weights":
+        assert forwards["paged"] < 30  # every draft accepted: fewer forwards than tokens
+    assert flexpage.paged_state(paged).cache.stats().pages_used == 0
+    if "assistant_model" in paged_kw:  # the assistant's cache was threaded through its drafts: it holds them
+        assert flexpage.paged_state(paged_kw["assistant_model"]).cache.stats().live_tokens >= ids.shape[1]
+
+
+def test_a_cache_handed_back_by_generate_continues_and_resets_on_the_next_call():
+    """With ``return_dict_in_generate`` the output's cache is the model's, still holding the
+    tokens (to continue from, as stock's); the next generate without a cache starts afresh."""
+    model = flexpage.wrap(zoo.build("llama-tiny"))
+    ids, mask = prompts((9,))
+    out = greedy(model, ids, mask, max_new_tokens=5, return_dict_in_generate=True)
+    cache = flexpage.paged_state(model).cache
+    assert out.cache is cache and cache.stats().live_tokens == 9 + 4  # the last token's K/V are not computed yet
+    greedy(model, ids, mask, max_new_tokens=5)
+    assert cache.stats().pages_used == 0
