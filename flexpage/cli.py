@@ -9,6 +9,7 @@
     flexpage bench startup       fresh process to first token, cold and warm compile cache
     flexpage bench serve         HTTP load: flexpage serve vs transformers serve
     flexpage bench tp            tensor parallelism: decode latency at tp=1 vs 2, KV capacity per rank
+    flexpage bench speculative   speculative decoding: verify cost, speed-up at known acceptance, assisted generate()
 
 ``flexpage <command> --help`` lists a command's options. ``--model`` takes a zoo name or a local
 ``save_pretrained`` directory; ``--quick`` runs a few seconds of work on the tiny model and writes
@@ -22,7 +23,7 @@ import sys
 
 COMMANDS = {"generate": "flexpage.bench.generate", "serve": "flexpage.serve.cli"}
 BENCHMARKS = {name: f"flexpage.bench.{name}" for name in ("latency", "throughput", "prefix", "attention", "startup",
-                                                                  "serve", "tp")}
+                                                                  "serve", "tp", "speculative")}
 HELP = ("-h", "--help")
 
 

@@ -48,10 +48,10 @@ class Engine:
     GEMM measured fastest; a packed copy of the weights for oneDNN, faster at many rows), packed
     by default (``None``) when the copy needs at most a quarter of the memory available.
 
-    With ``speculative`` (``"ngram"``: prompt lookup over each request's own tokens, or a
-    proposer ``(tokens, k) -> drafts`` of one's own) each decoding sequence feeds up to
-    ``num_speculative_tokens`` drafted tokens, verified in the same forward; it keeps the drafts
-    the model agrees with and one token more, so tokens are exactly those without speculation.
+    With ``speculative`` (``"ngram"``: prompt lookup in each request's tokens, or a proposer
+    ``(tokens, k) -> drafts``) decoding sequences feed up to ``num_speculative_tokens`` drafts,
+    verified in the same forward, keeping those the model agrees with and one token more: the
+    tokens without speculation. ``adaptive_speculation``: see ``Scheduler.settle``.
     """
 
     def __init__(
@@ -71,19 +71,19 @@ class Engine:
         pack_weights: bool | None = None,
         speculative: str | Proposer | None = None,
         num_speculative_tokens: int = 4,
+        adaptive_speculation: bool = True,
     ) -> None:
         self.model = wrap(model, page_size=page_size, max_cached_tokens=max_cached_tokens,
                           max_batch_size=max_batch_size, max_seq_len=max_seq_len, few_row_linears=few_row_linears,
                           pack_weights=pack_weights)
         state = paged_state(self.model)
-        self.cache = state.cache
-        self.tokenizer = tokenizer
+        self.cache, self.tokenizer = state.cache, tokenizer
         self.runner = ModelRunner(self.model, self.cache, state.cache_argument, max_batch_size, max_tokens_per_step)
         self.blocks = BlockManager(self.cache, prefix_caching)
-        self.scheduler = Scheduler(self.blocks, max_batch_size, max_tokens_per_step, self.runner.chunk_block,
-                                   proposer(speculative, num_speculative_tokens, self.model.config.vocab_size), num_speculative_tokens)
-        self.warmup_seconds = 0.0
-        self._next_index = 0
+        drafts = proposer(speculative, num_speculative_tokens, self.model.config.vocab_size)
+        self.scheduler = Scheduler(self.blocks, max_batch_size, max_tokens_per_step, self.runner.chunk_block, drafts,
+                                   num_speculative_tokens, adaptive_speculation)
+        self.warmup_seconds, self._next_index = 0.0, 0
         self.ranks = RankSync.for_model(self.model, tp_group, check_ranks)
         self._closed = False
         self.reset_stats()
@@ -271,18 +271,19 @@ class Engine:
         """Speculating sequences pick a token at each fed position in turn, as they would one step
         at a time (greedy, sampled, penalised alike), while each picked token equals the draft fed
         after it; then their rejected drafts' slots are given back. Adds to ``records``, ``failed``."""
-        going = list(batch.verify)
+        going, accepted = list(batch.verify), dict.fromkeys((seq.index for seq in batch.verify), 0)
         for j in range(1 + max(len(seq.drafts) for seq in going)):
             picked, errors = self._pick(forward.logits, [(seq, forward.verify_rows[seq.index] + j) for seq in going])
             records += picked
             failed |= errors
-            agreed = [seq for seq, out in zip(going, picked)
-                      if out.finish_reason is None and j < len(seq.drafts) and out.token == seq.drafts[j]]
-            self.counters.accepted += len(agreed)
-            going = agreed
+            going = [seq for seq, out in zip(going, picked)
+                     if out.finish_reason is None and j < len(seq.drafts) and out.token == seq.drafts[j]]
+            for seq in going:
+                accepted[seq.index] += 1
         for seq in batch.verify:
             self.counters.drafted += len(seq.drafts)
-            self.scheduler.settle(seq)
+            self.scheduler.settle(seq, accepted[seq.index])
+        self.counters.accepted += sum(accepted.values())
         self.counters.verifications += len(batch.verify)
 
     def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> StepOutput:

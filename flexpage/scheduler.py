@@ -18,6 +18,8 @@ from .block_manager import BlockManager
 from .host import cdiv
 from .speculative import Proposer
 
+MAX_DRAFT_PAUSE = 16  # the most steps a sequence whose drafts keep failing decodes before drafting again
+
 
 @dataclass
 class Sequence:
@@ -37,6 +39,9 @@ class Sequence:
     num_registered: int = 0  # leading pages registered in the prefix cache
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache when first admitted
     drafts: list[int] = field(default_factory=list)  # speculated tokens this step verifies
+    draft_len: int = 0  # drafts to ask for next (0: the scheduler's most)
+    draft_pause: int = 0  # steps to decode without drafts after a run of rejections
+    draft_misses: int = 0  # verifications in a row that accepted nothing
 
     @property
     def output(self) -> list[int]:
@@ -85,9 +90,9 @@ class Scheduler:
     """
 
     def __init__(self, blocks: BlockManager, max_batch_size: int, max_tokens_per_step: int, chunk_block: int = 16,
-                 propose: Proposer | None = None, num_speculative_tokens: int = 0):
+                 propose: Proposer | None = None, num_speculative_tokens: int = 0, adaptive: bool = True):
         self.blocks = blocks
-        self.propose, self.num_speculative_tokens = propose, num_speculative_tokens
+        self.propose, self.num_speculative_tokens, self.adaptive = propose, num_speculative_tokens, adaptive
         self.max_batch_size = min(max_batch_size, blocks.max_rows)
         self.max_tokens_per_step = max_tokens_per_step
         self.chunk_block = chunk_block
@@ -155,7 +160,10 @@ class Scheduler:
         the step's tokens allow, oldest first; drafts never preempt or delay a prompt already
         running. Returns the free pages and tokens left."""
         for seq in list(batch.decode):
-            limit = min(self.num_speculative_tokens, seq.max_new_tokens - len(seq.output) - 1, spare)
+            if seq.draft_pause:
+                seq.draft_pause -= 1
+                continue
+            limit = min(seq.draft_len or self.num_speculative_tokens, seq.max_new_tokens - len(seq.output) - 1, spare)
             drafts = self.propose(seq.tokens, limit)[:limit] if limit > 0 else []
             n = self.blocks.tokens_fitting(seq, 1 + len(drafts), free + needed[seq.index])
             cost = cdiv(n, self.chunk_block) * self.chunk_block  # a row of the chunk region, for its decode token
@@ -189,9 +197,17 @@ class Scheduler:
             picks.append((seq, row))
         return picks
 
-    def settle(self, seq: Sequence) -> None:
+    def settle(self, seq: Sequence, accepted: int) -> None:
         """A speculating sequence has appended the tokens it accepted: the K/V of its rejected
-        drafts are dropped (their slots given back) and its full pages registered."""
+        drafts are dropped (their slots given back) and its full pages registered. With
+        ``adaptive`` speculation its next draft is two longer after a whole draft was accepted,
+        one shorter otherwise, and once ``n >= 2`` verifications in a row accepted nothing it decodes
+        ``2 ** (n - 1)`` steps (at most ``MAX_DRAFT_PAUSE``) without drafts: wrong drafts cost little."""
+        if self.adaptive:
+            whole = accepted == len(seq.drafts)
+            seq.draft_len = max(1, min(self.num_speculative_tokens, len(seq.drafts) + (2 if whole else -1)))
+            seq.draft_misses = 0 if accepted else seq.draft_misses + 1
+            seq.draft_pause = min(2 ** (seq.draft_misses - 1), MAX_DRAFT_PAUSE) if seq.draft_misses > 1 else 0
         seq.drafts = []
         if seq.row is not None:  # still running
             self.blocks.truncate(seq, len(seq.tokens) - 1)

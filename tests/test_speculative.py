@@ -111,3 +111,17 @@ def test_drafts_outside_the_vocabulary_are_cut(expected):
     engine = make_engine(speculative=lambda tokens, k: [tokens[-1], 10**9, 1], num_speculative_tokens=3)
     assert engine.generate(looping_prompts(), max_new_tokens=list(NEW_TOKENS)) == expected
     assert engine.stats().drafted_tokens == engine.stats().verifications  # one draft each: cut at 10**9
+
+
+def test_adaptive_speculation_backs_off_drafts_that_keep_failing(expected):
+    """Drafts that are always wrong: adaptive speculation shortens them to one token and then
+    pauses them, so few tokens are drafted; without it every step drafts all it may."""
+    def wrong(tokens, k):
+        return [(tokens[-1] + 1 + i) % 256 for i in range(k)]
+
+    drafted = {}
+    for adaptive in (True, False):
+        engine = make_engine(speculative=wrong, num_speculative_tokens=4, adaptive_speculation=adaptive)
+        assert engine.generate(looping_prompts(), max_new_tokens=list(NEW_TOKENS)) == expected
+        drafted[adaptive] = engine.stats().drafted_tokens
+    assert drafted[True] * 4 < drafted[False]
