@@ -23,6 +23,7 @@ class Counters:
         self.utilisation_sum = self.seconds = self.host_seconds = 0.0
         self.shapes: set[tuple[str, int]] = set()
         self.prefix_hits_at_reset = prefix_hits
+        self._speculation_seen = (0, 0, 0)  # verifications, drafted and accepted tokens up to the last step
         self.history: deque[StepSummary] = deque(maxlen=HISTORY_STEPS)
 
     def step(self, batch: Batch, forward: Forward, produced: int, cache: CacheStats, shapes: list[tuple[str, int]],
@@ -39,5 +40,8 @@ class Counters:
         self.prefill_tokens += prefill
         self.generated += produced
         self.host_seconds += now - start - forward.seconds
+        totals = (self.verifications, self.drafted, self.accepted)
+        speculation = [total - before for total, before in zip(totals, self._speculation_seen)]
+        self._speculation_seen = totals
         self.history.append(StepSummary(now, len(batch.decode) + len(batch.verify), prefill, cache.pages_used,
-                                        cache.utilisation))
+                                        cache.utilisation, *speculation))

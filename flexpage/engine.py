@@ -48,10 +48,11 @@ class Engine:
     GEMM measured fastest; a packed copy of the weights for oneDNN, faster at many rows), packed
     by default (``None``) when the copy needs at most a quarter of the memory available.
 
-    With ``speculative`` (``"ngram"``: prompt lookup in each request's tokens, or a proposer
-    ``(tokens, k) -> drafts``) decoding sequences feed up to ``num_speculative_tokens`` drafts,
-    verified in the same forward, keeping those the model agrees with and one token more: the
-    tokens without speculation. ``adaptive_speculation``: see ``Scheduler.settle``.
+    ``speculative``: ``"ngram"`` (prompt lookup in each request's tokens), a draft model (an Engine
+    of its own, ``speculative.DraftModel``) or a proposer ``(tokens, k) -> drafts``. Each decoding
+    sequence then verifies up to ``num_speculative_tokens`` drafts in the step's forward and keeps
+    those the model agrees with, and one token more: exactly the tokens without speculation.
+    ``adaptive_speculation`` shortens and pauses drafts that keep failing (``Scheduler.settle``).
     """
 
     def __init__(
@@ -69,7 +70,7 @@ class Engine:
         check_ranks: bool = False,
         few_row_linears: bool = True,
         pack_weights: bool | None = None,
-        speculative: str | Proposer | None = None,
+        speculative: str | Proposer | PreTrainedModel | None = None,
         num_speculative_tokens: int = 4,
         adaptive_speculation: bool = True,
     ) -> None:
@@ -80,12 +81,13 @@ class Engine:
         self.cache, self.tokenizer = state.cache, tokenizer
         self.runner = ModelRunner(self.model, self.cache, state.cache_argument, max_batch_size, max_tokens_per_step)
         self.blocks = BlockManager(self.cache, prefix_caching)
-        drafts = proposer(speculative, num_speculative_tokens, self.model.config.vocab_size)
+        drafts = proposer(speculative, num_speculative_tokens, self.model.config.vocab_size, dict(
+            page_size=page_size, max_cached_tokens=max_cached_tokens, max_batch_size=max_batch_size,
+            max_tokens_per_step=max_tokens_per_step, max_seq_len=max_seq_len, warmup=warmup))
         self.scheduler = Scheduler(self.blocks, max_batch_size, max_tokens_per_step, self.runner.chunk_block, drafts,
                                    num_speculative_tokens, adaptive_speculation)
         self.warmup_seconds, self._next_index = 0.0, 0
-        self.ranks = RankSync.for_model(self.model, tp_group, check_ranks)
-        self._closed = False
+        self.ranks, self._closed = RankSync.for_model(self.model, tp_group, check_ranks), False
         self.reset_stats()
         if warmup:
             self.warmup()
@@ -118,9 +120,8 @@ class Engine:
             params = dataclasses.replace(params, eos_token_id=self.model.generation_config.eos_token_id)
         tokens = self._checked(prompt, params)
         if params.num_return_sequences > self.scheduler.max_batch_size:
-            raise InvalidRequestError(
-                f"num_return_sequences={params.num_return_sequences} exceeds max_batch_size={self.scheduler.max_batch_size}"
-            )
+            raise InvalidRequestError(f"num_return_sequences={params.num_return_sequences} exceeds "
+                                      f"max_batch_size={self.scheduler.max_batch_size}")
         if self.ranks is not None:
             if not self.ranks.leader:
                 raise InvalidRequestError("under tensor parallelism requests enter on rank 0; other ranks follow()")
@@ -300,8 +301,7 @@ class Engine:
                           time.perf_counter() - seq.arrival if first else None)
 
     def step_shapes(self) -> list[tuple[int, int]]:
-        """Every ``(decode_len, chunk_len)`` region size a step can have that compiles a graph
-        (``ModelRunner.step_shapes``)."""
+        """Every ``(decode_len, chunk_len)`` region size that compiles a graph (``ModelRunner.step_shapes``)."""
         return self.runner.step_shapes()
 
     def warmup(self, progress: bool = True) -> float:

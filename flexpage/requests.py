@@ -143,6 +143,10 @@ class StepSummary:
     prefill_tokens: int
     pages_used: int
     kv_utilisation: float  # live tokens / reserved page slots
+    verifications: int = 0  # sequences that verified drafts
+    drafted_tokens: int = 0  # speculated tokens verified
+    accepted_tokens: int = 0  # of those, the ones kept
+
 
 def checked_prompt(prompt: Seq[int] | str, params: SamplingParams, tokenizer: Any, vocab_size: int,
                    max_seq_len: int) -> list[int]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .host import cdiv
-from .speculative import Proposer
+from .speculative import BatchProposer
 
 MAX_DRAFT_PAUSE = 16  # the most steps a sequence whose drafts keep failing decodes before drafting again
 
@@ -90,7 +90,7 @@ class Scheduler:
     """
 
     def __init__(self, blocks: BlockManager, max_batch_size: int, max_tokens_per_step: int, chunk_block: int = 16,
-                 propose: Proposer | None = None, num_speculative_tokens: int = 0, adaptive: bool = True):
+                 propose: BatchProposer | None = None, num_speculative_tokens: int = 0, adaptive: bool = True):
         self.blocks = blocks
         self.propose, self.num_speculative_tokens, self.adaptive = propose, num_speculative_tokens, adaptive
         self.max_batch_size = min(max_batch_size, blocks.max_rows)
@@ -159,12 +159,17 @@ class Scheduler:
         """Move decode sequences with drafts (``propose``) into ``batch.verify`` where their pages and
         the step's tokens allow, oldest first; drafts never preempt or delay a prompt already
         running. Returns the free pages and tokens left."""
-        for seq in list(batch.decode):
+        asks = []
+        for seq in batch.decode:
             if seq.draft_pause:
                 seq.draft_pause -= 1
                 continue
             limit = min(seq.draft_len or self.num_speculative_tokens, seq.max_new_tokens - len(seq.output) - 1, spare)
-            drafts = self.propose(seq.tokens, limit)[:limit] if limit > 0 else []
+            if limit > 0:
+                asks.append((seq, limit))
+        proposals = self.propose([(seq.tokens, limit) for seq, limit in asks]) if asks else []
+        for (seq, _), drafts in zip(asks, proposals):
+            drafts = drafts[:spare]
             n = self.blocks.tokens_fitting(seq, 1 + len(drafts), free + needed[seq.index])
             cost = cdiv(n, self.chunk_block) * self.chunk_block  # a row of the chunk region, for its decode token
             if n > 1 and cost - 1 <= spare:

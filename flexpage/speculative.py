@@ -1,16 +1,22 @@
-"""Draft tokens for speculative decoding: n-gram prompt lookup over a request's own tokens.
+"""Draft tokens for speculative decoding: n-gram prompt lookup in a request's own tokens, or a draft model.
 
 A proposer is any callable ``(tokens, k) -> drafts``: given a sequence's tokens so far (prompt
-and output) it returns at most ``k`` tokens it guesses come next. The Engine verifies every
-running sequence's drafts in one forward and keeps the longest prefix the model agrees with.
+and output) it returns at most ``k`` tokens it guesses come next; a draft model proposes for all
+of a step's sequences at once. The Engine verifies every running sequence's drafts in one forward
+and keeps the longest prefix the model agrees with.
 """
 
 from __future__ import annotations
 
 from array import array
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
-Proposer = Callable[[Sequence[int], int], list[int]]
+from transformers import PreTrainedModel
+
+from .requests import SamplingParams
+
+Proposer = Callable[[Sequence[int], int], list[int]]  # one sequence's tokens, k -> its drafts
+BatchProposer = Callable[[list[tuple[Sequence[int], int]]], list[list[int]]]  # a step's (tokens, k) -> drafts
 
 
 class NgramProposer:
@@ -38,21 +44,56 @@ class NgramProposer:
         return []
 
 
-def proposer(speculative: str | Proposer | None, k: int, vocab_size: int) -> Proposer | None:
-    """The draft source ``speculative`` names: ``"ngram"``, a proposer of one's own, or None (no
-    speculation). A proposer's drafts stop at its first token outside the vocabulary."""
+class DraftModel:
+    """Drafts from a smaller model with the target's vocabulary: an ``Engine`` of its own (its own
+    pool; prefix caching, so each step recomputes only its sequences' tokens since their last full
+    cached page), run for every speculating sequence at once, ``k`` greedy tokens each.
+
+    ``options`` are the draft Engine's (``max_cached_tokens`` should hold the target's running
+    sequences: the target Engine passes its own)."""
+
+    def __init__(self, model: PreTrainedModel, **options: Any) -> None:
+        from .engine import Engine  # the Engine builds this proposer: imported when it is used
+
+        self.engine = Engine(model, **options)
+
+    def __call__(self, asks: list[tuple[Sequence[int], int]]) -> list[list[int]]:
+        indices = [self.engine.add_request(list(tokens), SamplingParams(max_new_tokens=k, eos_token_id=[]))
+                   for tokens, k in asks]
+        drafts: dict[int, list[int]] = {index: [] for index in indices}
+        for record in self.engine.run():
+            drafts[record.index].append(record.token)
+        return [drafts[index] for index in indices]
+
+
+def proposer(speculative: str | Proposer | PreTrainedModel | None, k: int, vocab_size: int,
+             draft_options: dict[str, Any]) -> BatchProposer | None:
+    """The draft source ``speculative`` names, as a proposer of a step's drafts at once: ``"ngram"``,
+    a draft model (a ``DraftModel`` with ``draft_options``), a proposer ``(tokens, k) -> drafts`` of
+    one's own, or None (no speculation). Drafts stop at their first token outside the vocabulary."""
     if speculative is None:
         return None
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"num_speculative_tokens must be a positive int, got {k!r}")
-    if speculative == "ngram":
-        return NgramProposer()
-    if not callable(speculative):
-        raise ValueError(f"speculative must be 'ngram' or a callable (tokens, k) -> drafts, got {speculative!r}")
+    if isinstance(speculative, PreTrainedModel):
+        if speculative.config.vocab_size != vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({speculative.config.vocab_size} tokens) must be the "
+                             f"target's ({vocab_size})")
+        batch = DraftModel(speculative, **draft_options)
+    elif speculative == "ngram" or callable(speculative):
+        one = NgramProposer() if speculative == "ngram" else speculative
+        batch = lambda asks: [one(tokens, limit) for tokens, limit in asks]  # noqa: E731
+    else:
+        raise ValueError(f"speculative must be 'ngram', a draft model or a callable (tokens, k) -> drafts, "
+                         f"got {speculative!r}")
 
-    def checked(tokens: Sequence[int], limit: int) -> list[int]:
-        drafts = list(speculative(tokens, limit))[:limit]
-        valid = next((i for i, t in enumerate(drafts) if not (isinstance(t, int) and 0 <= t < vocab_size)), len(drafts))
-        return drafts[:valid]
+    def checked(asks: list[tuple[Sequence[int], int]]) -> list[list[int]]:
+        out = []
+        for (_, limit), drafts in zip(asks, batch(asks)):
+            drafts = list(drafts)[:limit]
+            valid = next((i for i, t in enumerate(drafts) if not (isinstance(t, int) and 0 <= t < vocab_size)),
+                         len(drafts))
+            out.append(drafts[:valid])
+        return out
 
     return checked

@@ -42,7 +42,8 @@ def test_notebook_is_stored_executed(path):
 
 
 def test_notebooks_cover_every_benchmark():
-    assert {p.stem for p in NOTEBOOKS} == {"latency_vs_length", "throughput", "prefix_sharing", "paged_attention"}
+    assert {p.stem for p in NOTEBOOKS} == {"latency_vs_length", "throughput", "prefix_sharing", "paged_attention",
+                                         "speculative"}
 
 
 @pytest.mark.slow

@@ -345,13 +345,15 @@ def test_serve_steps_the_engine_on_the_calling_thread_and_stops_on_sigint(stock_
 def test_flexpage_serve_command(tmp_path):
     """The console command serves a save_pretrained directory with its own tokenizer (without packed
     weights: stock's tokens still), with the operator's options: the API key from
-    ``FLEXPAGE_API_KEY``, a body limit, CORS for one origin; stopped by the test."""
+    ``FLEXPAGE_API_KEY``, a body limit, CORS for one origin, n-gram speculation (stock's tokens,
+    streamed or not; its drafts counted in the metrics); stopped by the test."""
     model_dir = tmp_path / "model"
     zoo.build(MODEL).save_pretrained(model_dir)
     zoo.load_tokenizer(MODEL).save_pretrained(model_dir)
     command = [str(BIN / "flexpage"), "serve", str(model_dir), "--served-model-name", "mine", "--max-cached-tokens",
                "2048", "--max-batch-size", "8", "--max-tokens-per-step", "128", "--no-pack-weights",
-               "--max-request-bytes", "4096", "--allowed-origins", "http://ui.test", "--shutdown-timeout", "5"]
+               "--max-request-bytes", "4096", "--allowed-origins", "http://ui.test", "--shutdown-timeout", "5",
+               "--speculative", "ngram", "--num-speculative-tokens", "3"]
     with running_server(command, env=os.environ | {"FLEXPAGE_API_KEY": "sesame"}) as base:
         assert fetch(base, "GET", "/v1/models")[0] == 401
         status, text = fetch(base, "POST", "/v1/completions", b" " * 5000, headers={"Authorization": "Bearer sesame"})
@@ -364,3 +366,12 @@ def test_flexpage_serve_command(tmp_path):
         expected = stock_greedy(zoo.build(MODEL), zoo.load_tokenizer(MODEL)("Hello")["input_ids"], 4)
         assert out.choices[0].text == zoo.load_tokenizer(MODEL).decode(expected, skip_special_tokens=True)
         assert client.models.list().data[0].id == "mine"
+        tokenizer = zoo.load_tokenizer(MODEL)
+        ids = prompt_ids(12) * 3  # prompt lookup finds the prompt's own repeats
+        expected = tokenizer.decode(stock_greedy(zoo.build(MODEL), ids, 24), skip_special_tokens=True)
+        assert client.completions.create(model="mine", prompt=ids, max_tokens=24, temperature=0).choices[0].text == expected
+        stream = client.completions.create(model="mine", prompt=ids, max_tokens=24, temperature=0, stream=True)
+        assert "".join(chunk.choices[0].text for chunk in stream) == expected
+        metrics = fetch(base, "GET", "/metrics")[1]
+        drafted = re.search(r'flexpage:spec_decode_num_draft_tokens_total\{[^}]*\} (\S+)', metrics)
+        assert drafted and float(drafted.group(1)) > 0

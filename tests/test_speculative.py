@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from flexpage import SamplingParams
+from flexpage import SamplingParams, zoo
 from flexpage.speculative import NgramProposer
 from reference import NEW_TOKENS, make_engine, stock_greedy, workload
 
@@ -54,6 +54,10 @@ def test_ngram_speculation_keeps_stock_greedy_tokens_and_gives_back_rejected_slo
     stats = engine.stats()
     assert stats.drafted_tokens > 0 and 0 < stats.accepted_tokens <= stats.drafted_tokens
     assert stats.steps < sum(NEW_TOKENS) and stats.tokens_per_verification > 1
+    history = engine.history  # each step's share
+    assert sum(h.drafted_tokens for h in history) == stats.drafted_tokens
+    assert sum(h.accepted_tokens for h in history) == stats.accepted_tokens
+    assert sum(h.verifications for h in history) == stats.verifications
     assert engine.cache.stats().pages_used == 0
 
 
@@ -125,3 +129,17 @@ def test_adaptive_speculation_backs_off_drafts_that_keep_failing(expected):
         assert engine.generate(looping_prompts(), max_new_tokens=list(NEW_TOKENS)) == expected
         drafted[adaptive] = engine.stats().drafted_tokens
     assert drafted[True] * 4 < drafted[False]
+
+
+@pytest.mark.parametrize("draft_seed", [0, 1])
+def test_a_draft_model_changes_no_token(expected, draft_seed):
+    """A draft model (an Engine of its own) with the target's weights has every draft accepted;
+    one with other weights changes no token either."""
+    engine = make_engine(speculative=zoo.build("llama-tiny", seed=draft_seed), num_speculative_tokens=3)
+    assert engine.generate(looping_prompts(), max_new_tokens=list(NEW_TOKENS)) == expected
+    stats = engine.stats()
+    assert stats.drafted_tokens > 0
+    if draft_seed == 0:
+        assert stats.accepted_tokens == stats.drafted_tokens and stats.steps < sum(NEW_TOKENS) // 2
+    with pytest.raises(ValueError, match="vocabulary"):
+        make_engine(speculative=zoo.build("llama-tiny", vocab_size=300), warmup=False)

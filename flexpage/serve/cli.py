@@ -4,6 +4,8 @@ OpenAI's API (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/
 
     flexpage serve llama-tiny --port 8000
     flexpage serve path/to/saved/model --max-cached-tokens 65536 --max-batch-size 32
+    flexpage serve llama-tiny --speculative ngram --num-speculative-tokens 4
+    flexpage serve path/to/saved/model --speculative path/to/small/model   # a draft model, same vocabulary
     torchrun --nproc-per-node 2 -m flexpage.cli serve path/to/saved/model --tp-size 2
 
 Under tensor parallelism every rank builds the engine; rank 0 serves HTTP and the others follow
@@ -56,6 +58,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=None,
                         help="keep oneDNN-packed copies of the CPU weights: faster batched decode, 2x weight memory "
                              "(default: when they need at most a quarter of the memory available)")
+    parser.add_argument("--speculative", metavar="ngram|MODEL",
+                        help="speculative decoding: 'ngram' drafts by prompt lookup in each request's own tokens; "
+                             "a zoo name or local directory: a draft model with the same vocabulary")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4,
+                        help="the most drafted tokens a sequence verifies per step (with --speculative)")
     parser.add_argument("--tp-size", type=int, default=1,
                         help="tensor-parallel ranks (run under torchrun; MODEL must be a local directory)")
     args = parser.parse_args(argv)
@@ -72,10 +79,17 @@ def main(argv: list[str] | None = None) -> None:
         from .app import build_app
     except ImportError as error:
         sys.exit(f"flexpage serve needs the serve extra: pip install 'flexpage[serve]' ({error})")
+    speculative = args.speculative
+    if speculative not in (None, "ngram"):  # a draft model: whole on every rank, not sharded
+        try:
+            speculative = zoo.load(zoo.model_choice(speculative), dtype=load_options["dtype"])
+        except ValueError as error:
+            parser.error(f"--speculative: {error}")
     engine = Engine(zoo.load(args.model, **load_options), page_size=args.page_size,
                     max_cached_tokens=args.max_cached_tokens, max_batch_size=args.max_batch_size,
                     max_tokens_per_step=args.max_tokens_per_step, prefix_caching=not args.no_prefix_caching,
-                    pack_weights=args.pack_weights)
+                    pack_weights=args.pack_weights, speculative=speculative,
+                    num_speculative_tokens=args.num_speculative_tokens)
     if engine.ranks is not None and not engine.ranks.leader:
         engine.follow()  # until rank 0's server stops
         return

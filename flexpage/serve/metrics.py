@@ -34,6 +34,9 @@ class Metrics:
                          buckets=LATENCY_BUCKETS)
         self.itl = make(Histogram, "inter_token_latency_seconds", "Seconds between a request's tokens",
                         buckets=LATENCY_BUCKETS)
+        self.drafts = make(Counter, "spec_decode_num_drafts", "Speculative drafts verified (one per sequence and step)")
+        self.draft_tokens = make(Counter, "spec_decode_num_draft_tokens", "Speculated tokens verified")
+        self.accepted_tokens = make(Counter, "spec_decode_num_accepted_tokens", "Speculated tokens accepted")
         self.e2e = make(Histogram, "e2e_request_latency_seconds", "Seconds from arrival to the last token",
                         buckets=LATENCY_BUCKETS)
         self._success = make(Counter, "request_success", "Requests finished, by reason", ("finished_reason",),
@@ -54,6 +57,11 @@ class Metrics:
     def request_finished(self, reason: str, seconds: float) -> None:
         self._success.labels(self._model, reason).inc()
         self.e2e.observe(seconds)
+
+    def speculation(self, drafts: int, drafted: int, accepted: int) -> None:
+        self.drafts.inc(drafts)
+        self.draft_tokens.inc(drafted)
+        self.accepted_tokens.inc(accepted)
 
     def step(self, running: int, waiting: int, kv_usage: float, preemptions: int) -> None:
         self.running.set(running)

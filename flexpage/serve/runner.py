@@ -262,6 +262,9 @@ class EngineRunner:
                        "engine_step_failed")
             return
         now = time.perf_counter()
+        if records and engine.history[-1].verifications:  # a step with records is the history's latest
+            latest = engine.history[-1]
+            self.metrics.speculation(latest.verifications, latest.drafted_tokens, latest.accepted_tokens)
         for record in records:
             index = record.index
             if index not in self._owners:  # aborted since
