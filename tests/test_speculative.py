@@ -102,6 +102,8 @@ def test_sampled_speculation_draws_what_the_plain_engine_draws():
     engine = make_engine(speculative="ngram")
     assert engine.generate(looping_prompts(), **options) == plain
     assert engine.stats().drafted_tokens > 0
+    forks = dict(options, max_new_tokens=20, num_return_sequences=3)  # samples forked from one prompt
+    assert engine.generate(looping_prompts()[:3], **forks) == make_engine().generate(looping_prompts()[:3], **forks)
 
 
 def test_speculation_options_are_checked():
