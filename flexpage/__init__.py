@@ -10,13 +10,16 @@ from .errors import (FlexpageError, InvalidRequestError, OutOfPagesError, Reques
 from .hf import PagedState, paged_state, unwrap, wrap
 from .masks import PackedBlockMask, PagedBlockMask, SequenceKV, build_block_mask, paged_mask_mod, paged_score_mod
 from .pages import PackedPlan, PageTable, StepPlan
+from .speculative import DraftModel, NgramProposer
 
 __all__ = [
     "CacheStats",
+    "DraftModel",
     "Engine",
     "EngineStats",
     "FlexpageError",
     "InvalidRequestError",
+    "NgramProposer",
     "OutOfPagesError",
     "PackedBlockMask",
     "PackedPlan",

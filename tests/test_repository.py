@@ -1,6 +1,7 @@
 """What a visitor sees: every file the README links to exists, notebooks are stored executed, and the
 wheel installs one top-level package."""
 
+import itertools
 import json
 import re
 import subprocess
@@ -14,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 # Markdown links and images to repository files, and repository paths quoted in backticks.
 LINKED = {m for m in re.findall(r"\]\(([^)#\s]+)\)", README) if "://" not in m}
-QUOTED = set(re.findall(r"`((?:results|notebooks|scripts|models|flexpage|tests)/[\w./-]+\.(?:png|csv|json|ipynb|py))`",
+QUOTED = set(re.findall(r"`((?:results|notebooks|scripts|models|flexpage|tests|docs)/[\w./-]+\.(?:png|csv|json|ipynb|py|md))`",
                         README))
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
@@ -83,3 +84,35 @@ def test_device_choices_are_the_policys():
                  if path.name not in ("policy.py", "linear.py", "memory.py") and "bench" not in path.parts
                  for m in re.findall(r"device\.type\s*[!=]=|\.is_cuda\b", path.read_text())]
     assert not offenders, offenders
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """``a_{b,c}.{x,y}`` -> every spelled-out name."""
+    parts = re.split(r"\{([^}]*)\}", pattern)
+    choices = [[part] if i % 2 == 0 else part.split(",") for i, part in enumerate(parts)]
+    return ["".join(combo) for combo in itertools.product(*choices)]
+
+
+def test_results_index_lists_every_file_and_no_other():
+    index = (ROOT / "results" / "README.md").read_text()
+    folders = {p.name for p in (ROOT / "results").iterdir() if p.is_dir()}
+    listed = {name for pattern in re.findall(r"`([\w/{},.-]+\.[\w{},]+)`", index) if pattern.split("/")[0] in folders
+              for name in expand_braces(pattern)}
+    files = {p.relative_to(ROOT / "results").as_posix() for p in (ROOT / "results").rglob("*")
+             if p.is_file() and p.name != "README.md"}
+    assert not files - listed, f"results/README.md does not list {sorted(files - listed)}"
+    assert not listed - files, f"results/README.md lists missing files {sorted(listed - files)}"
+
+
+def test_api_reference_covers_every_public_name():
+    import flexpage
+
+    documented = set(re.findall(r"^::: flexpage\.(\w+)$", (ROOT / "docs" / "api.md").read_text(), re.M))
+    assert documented == set(flexpage.__all__)
+
+
+@pytest.mark.slow
+def test_docs_build_strict(tmp_path):
+    """The documentation site builds with every link and reference resolved (``mkdocs --strict``)."""
+    subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                   cwd=ROOT, check=True, capture_output=True, timeout=600)

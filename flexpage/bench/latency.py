@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--probe-tolerance", type=float, default=1.5)
     parser.add_argument("--sample", nargs="?", const="top-k", choices=sorted(SAMPLING),
                         help=f"every configuration samples ({SAMPLING}) instead of decoding greedily")
-    add_run_arguments(parser, "llama-tiny, lengths 64 and 256, 8 new tokens, 2 repeats", "latency")
+    add_run_arguments(parser, "llama-tiny, lengths 64 and 256, 8 new tokens, 2 repeats", "latency",
+                      default="results/latency")
     args = parser.parse_args(argv)
     args.model = zoo.chosen_model(args)
     if args.quick:

@@ -193,12 +193,12 @@ def caption(meta: dict) -> str:
     return f"{model}{device}, torch {m['torch']}"
 
 
-def add_run_arguments(parser: argparse.ArgumentParser, quick: str, name: str | None = None,
-                      default: str = "results") -> None:
+def add_run_arguments(parser: argparse.ArgumentParser, quick: str, name: str | None = None, *,
+                      default: str) -> None:
     """The options every benchmark shares: ``--quick`` (what it shrinks to: ``quick``); ``--out``,
-    the committed results directory for a full run, while ``--quick`` runs default to a new
-    temporary directory, so a trial run never overwrites the measured figures; ``--name``, the
-    stem of the result files (when the benchmark has one, ``name`` by default)."""
+    by default the benchmark's committed results folder (``default``) for a full run and a new
+    temporary directory for ``--quick``, so a trial run never overwrites the measured figures;
+    ``--name``, the stem of the result files (when the benchmark has one, ``name`` by default)."""
     parser.add_argument("--quick", action="store_true", help=quick)
     parser.add_argument("--out", help=f"directory for the CSV/JSON/PNG results (default: {default}; "
                                       "with --quick, a new temporary directory)")
@@ -244,7 +244,7 @@ def out_dir(args: argparse.Namespace) -> str:
 def notebook_results(benchmark: str, committed: str) -> tuple[dict, str, str]:
     """The results a notebook draws, the directory they are in, and a directory for its figures.
 
-    By default the committed full run (``committed``, a JSON path such as ``../results/latency.json``),
+    By default the committed full run (``committed``, a JSON path such as ``../results/latency/latency.json``),
     with figures drawn into a temporary directory so the committed PNGs stay as measured. With
     ``FLEXPAGE_NOTEBOOK_QUICK=1`` (CI): the benchmark's ``--quick`` results in
     ``FLEXPAGE_NOTEBOOK_OUT``, running ``flexpage bench <benchmark> --quick`` first if none are there.

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine-batch", type=int, default=32)
     parser.add_argument("--max-cached-tokens", type=int, default=65536)
     parser.add_argument("--stock-batch", type=int, default=8)
-    add_run_arguments(parser, "llama-tiny, 128-token prefix, 6 and 4 requests")
+    add_run_arguments(parser, "llama-tiny, 128-token prefix, 6 and 4 requests", default="results/prefix")
     args = parser.parse_args(argv)
     args.model = zoo.chosen_model(args)
     if args.quick:

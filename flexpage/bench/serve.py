@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    add_run_arguments(parser, "llama-tiny, 6 requests per point, 2 rates, 1 concurrency", "serve")
+    add_run_arguments(parser, "llama-tiny, 6 requests per point, 2 rates, 1 concurrency", "serve",
+                      default="results/serve")
     args = parser.parse_args(argv)
     args.model = zoo.chosen_model(args)
     if args.quick:

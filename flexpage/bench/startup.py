@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     zoo.add_model_argument(parser)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     parser.add_argument("--engine-batch", type=int, default=32, help="Engine max_batch_size (its decode shapes)")
-    add_run_arguments(parser, "llama-tiny, stock and wrap only", "startup")
+    add_run_arguments(parser, "llama-tiny, stock and wrap only", "startup", default="results/startup")
     args = parser.parse_args(argv)
     args.model = zoo.chosen_model(args)
     if args.quick:

@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="run every configuration this many times, interleaved; report each one's median run")
     parser.add_argument("--probe-tolerance", type=float, default=1.5,
                         help="re-run a cell whose matmul probe after it is this much slower than the best probe")
-    add_run_arguments(parser, "llama-tiny, 8 requests of 16-200 tokens, 4-24 new", "throughput")
+    add_run_arguments(parser, "llama-tiny, 8 requests of 16-200 tokens, 4-24 new", "throughput",
+                      default="results/throughput")
     args = parser.parse_args(argv)
     args.model = zoo.chosen_model(args)
     if args.quick:

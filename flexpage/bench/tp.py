@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--worker", nargs=2, metavar=("MODEL_DIR", "RESULT"), help=argparse.SUPPRESS)
-    add_run_arguments(parser, "llama-tiny, 64-token prompt, 8 new tokens, 1 repeat", "tp")
+    add_run_arguments(parser, "llama-tiny, 64-token prompt, 8 new tokens, 1 repeat", "tp", default="results/tp")
     args = parser.parse_args(argv)
     if args.quick:
         args.length, args.new_tokens, args.repeats = 64, 8, 1
