@@ -116,3 +116,11 @@ def test_docs_build_strict(tmp_path):
     """The documentation site builds with every link and reference resolved (``mkdocs --strict``)."""
     subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
                    cwd=ROOT, check=True, capture_output=True, timeout=600)
+
+
+def test_docs_quote_only_files_that_exist():
+    """Paths the documentation quotes in backticks (results, notebooks, scripts, code) exist."""
+    pattern = r"`((?:results|notebooks|scripts|models|flexpage|tests|docs)/[\w./-]+\.(?:png|csv|json|ipynb|py|md|sh|txt))`"
+    quoted = {m for page in (ROOT / "docs").rglob("*.md") if "results" not in page.relative_to(ROOT / "docs").parts
+              for m in re.findall(pattern, page.read_text())}
+    assert quoted and not sorted(p for p in quoted if not (ROOT / p).exists())
