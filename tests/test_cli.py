@@ -87,9 +87,9 @@ def test_attention_notebook_runs_the_quick_benchmark(tmp_path, monkeypatch):
 def test_quick_mode_never_writes_into_results(tmp_path):
     """Without --out, a quick run goes to a new temporary directory, not over the committed figures."""
     parser = argparse.ArgumentParser()
-    add_run_arguments(parser, "a trial")
+    add_run_arguments(parser, "a trial", default="results/trial")
     quick = out_dir(parser.parse_args(["--quick"]))
     shutil.rmtree(quick)
     assert Path(quick).parent != ROOT and "flexpage-quick-" in quick
     assert out_dir(parser.parse_args(["--quick", "--out", str(tmp_path)])) == str(tmp_path)
-    assert parser.parse_args([]).default_out == "results"
+    assert parser.parse_args([]).default_out == "results/trial"
