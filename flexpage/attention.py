@@ -240,15 +240,15 @@ def packed_attention(
             f"a packed step takes a query of shape (1, heads, {plan.q_len}, dim), got {tuple(query.shape)}"
         )
     outputs = []
-    decoded = plan.num_decode
+    decoded = plan.decode_tokens  # the decode region's positions (all decode_len rows in a compiled step)
     if plan.decode_len == decoded == 1 and sdpa_over_pages(query.device, cap, 1):
         outputs.append(sequence_attention(query[:, :, :1], key_pool, value_pool, block_mask.decode_kv(window), scale))
     elif decoded:  # a batch of one-token rows: [1, H, n, D] -> [decode_len, H, 1, D] -> [1, H, n, D]
         group = query_group(query, key_pool)
-        _, n, mask, score_mod = block_mask.region("decode", window, cap, group)
-        rows = F.pad(query[0, :, :n].transpose(0, 1), (0, 0, 0, 0, 0, plan.decode_len - n))[:, :, None]
+        mask, score_mod = block_mask.decode_region(window, cap, group)
+        rows = F.pad(query[0, :, :decoded].transpose(0, 1), (0, 0, 0, 0, 0, plan.decode_len - decoded))[:, :, None]
         out = rows_attention(rows, key_pool, value_pool, mask, score_mod, scale, group)
-        outputs.append(out[:n, :, 0].transpose(0, 1)[None])
+        outputs.append(out[:decoded, :, 0].transpose(0, 1)[None])
     if plan.q_len > decoded and sdpa_over_pages(query.device, cap, 1):  # one SDPA call per chunk
         region = query.new_zeros(1, query.shape[1], plan.q_len - decoded, value_pool.shape[-1])
         start = 0  # padding positions keep zeros: their outputs are never read

@@ -160,6 +160,7 @@ class PagedKVCache(Cache):
         decode_len: int,
         chunk_len: int,
         chunk_block: int = 16,
+        pad_decode: bool = False,
     ) -> PackedPlan:
         """Reserve room for a ragged step: one token for each of ``decode_rows`` and
         ``(row, num_tokens)`` prefill chunks, packed as ``PageTable.plan_packed`` describes.
@@ -168,7 +169,7 @@ class PagedKVCache(Cache):
         """
         check_packed_layout(len(decode_rows), [n for _, n in chunks], decode_len, chunk_len, chunk_block)
         self._extend([*decode_rows, *(row for row, _ in chunks)], [1] * len(decode_rows) + [n for _, n in chunks])
-        self.step = self.page_table.plan_packed(decode_rows, chunks, decode_len, chunk_len, chunk_block)
+        self.step = self.page_table.plan_packed(decode_rows, chunks, decode_len, chunk_len, chunk_block, pad_decode)
         return self.step
 
     def _extend(self, rows: Sequence[int], new_tokens: Sequence[int]) -> None:

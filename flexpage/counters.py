@@ -16,13 +16,13 @@ HISTORY_STEPS = 10_000  # steps ``Engine.history`` keeps, the latest: a server s
 class Counters:
     """Running totals since the last reset; ``Engine.stats()`` reads them into ``EngineStats``."""
 
-    def __init__(self, prefix_hits: int) -> None:
+    def __init__(self, prefix_hits: int, compiled_steps: int = 0) -> None:
         self.steps = self.attention_calls = self.peak_pages = 0
         self.prefill_tokens = self.generated = self.finished = 0
         self.drafted = self.accepted = self.verifications = 0
         self.utilisation_sum = self.seconds = self.host_seconds = 0.0
         self.shapes: set[tuple[str, int]] = set()
-        self.prefix_hits_at_reset = prefix_hits
+        self.prefix_hits_at_reset, self.compiled_steps_at_reset = prefix_hits, compiled_steps
         self._speculation_seen = (0, 0, 0)  # verifications, drafted and accepted tokens up to the last step
         self.history: deque[StepSummary] = deque(maxlen=HISTORY_STEPS)
 

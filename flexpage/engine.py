@@ -34,19 +34,19 @@ from .speculative import Proposer, proposer
 class Engine:
     """Serve many token-id prompts from one paged KV cache of ``max_cached_tokens`` tokens.
 
-    ``max_batch_size`` sequences run at once; a step feeds at most ``max_tokens_per_step``
-    tokens (decode tokens plus prefill chunks). The model is wrapped with ``flexpage.wrap``
-    (its ``generate()`` is paged too; don't call it while the engine is serving). With
-    ``warmup`` (the default) every step shape is compiled when the engine is built
-    (``warmup()``), so serving never waits on a compile.
+    ``max_batch_size`` sequences run at once; a step feeds at most ``max_tokens_per_step`` tokens
+    (decode tokens plus prefill chunks). The model is wrapped with ``flexpage.wrap`` (don't call its
+    ``generate()`` while the engine serves). ``warmup`` compiles every step shape when the engine is
+    built, so serving never waits on a compile, including the whole forward of decode-only steps,
+    one graph per decode bucket, where ``compile_decode`` asks (None: the buckets where the device
+    policy measured it faster than eager; True: every bucket; False: none).
 
     Under tensor parallelism (a model loaded with transformers' ``DistributedConfig``) build the
-    engine on every rank; requests enter on rank 0, which broadcasts them (over ``tp_group``, a
-    gloo group by default) so every rank takes the same steps; the other ranks call ``follow()``
-    until rank 0 calls ``close()``. ``check_ranks`` compares every step's plan across ranks.
-    ``few_row_linears`` and ``pack_weights`` are ``wrap``'s options (CPU linear layers through the
-    GEMM measured fastest; a packed copy of the weights for oneDNN, faster at many rows), packed
-    by default (``None``) when the copy needs at most a quarter of the memory available.
+    engine on every rank; requests enter on rank 0, which broadcasts them (over ``tp_group``, gloo
+    by default); the other ranks call ``follow()`` until rank 0 calls ``close()``; ``check_ranks``
+    compares every step's plan across ranks. ``few_row_linears`` and ``pack_weights`` are ``wrap``'s
+    (CPU linear layers through the GEMM measured fastest; oneDNN on packed copies of the weights,
+    by default when they need at most a quarter of the memory available).
 
     ``speculative``: ``"ngram"`` (prompt lookup in each request's tokens), a draft model (an Engine
     of its own, ``speculative.DraftModel``) or a proposer ``(tokens, k) -> drafts``. Each decoding
@@ -66,20 +66,19 @@ class Engine:
         tokenizer: Any = None,
         prefix_caching: bool = True,
         warmup: bool = True,
-        tp_group: Any = None,
-        check_ranks: bool = False,
-        few_row_linears: bool = True,
-        pack_weights: bool | None = None,
+        tp_group: Any = None, check_ranks: bool = False,
+        few_row_linears: bool = True, pack_weights: bool | None = None,
         speculative: str | Proposer | PreTrainedModel | None = None,
         num_speculative_tokens: int = 4,
         adaptive_speculation: bool = True,
+        compile_decode: bool | None = None,
     ) -> None:
         self.model = wrap(model, page_size=page_size, max_cached_tokens=max_cached_tokens,
                           max_batch_size=max_batch_size, max_seq_len=max_seq_len, few_row_linears=few_row_linears,
                           pack_weights=pack_weights)
         state = paged_state(self.model)
         self.cache, self.tokenizer = state.cache, tokenizer
-        self.runner = ModelRunner(self.model, self.cache, state.cache_argument, max_batch_size, max_tokens_per_step)
+        self.runner = ModelRunner(self.model, self.cache, state.cache_argument, max_batch_size, max_tokens_per_step, compile_decode)
         self.blocks = BlockManager(self.cache, prefix_caching)
         drafts = proposer(speculative, num_speculative_tokens, self.model.config.vocab_size, dict(
             page_size=page_size, max_cached_tokens=max_cached_tokens, max_batch_size=max_batch_size,
@@ -332,6 +331,7 @@ class Engine:
             drafted_tokens=c.drafted,
             accepted_tokens=c.accepted,
             verifications=c.verifications,
+            compiled_steps=self.runner.compiled_steps - c.compiled_steps_at_reset,
         )
 
     def _checked(self, prompt: Seq[int] | str, params: SamplingParams) -> list[int]:
@@ -340,7 +340,7 @@ class Engine:
 
     def reset_stats(self) -> None:
         """Start counting afresh (``stats()`` and ``history``)."""
-        self.counters = Counters(self.blocks.hit_tokens)
+        self.counters = Counters(self.blocks.hit_tokens, self.runner.compiled_steps)
 
     @property
     def history(self) -> deque[StepSummary]:

@@ -424,18 +424,37 @@ class PackedBlockMask(_StepMask):
         axis (``grouped_mask_mod``)."""
         plan = self.plan
         if name == "decode":
-            rows = self._variant(("decode_rows",), lambda: DecodeRows.of(plan))
-            mask_mod = None if window is None else sliding_window(window)
-            return self._variant(("decode", window, cap, group), lambda: (
-                0, plan.num_decode, _build(self.page_table, rows, mask_mod, Q_BLOCK_SIZE, group),
-                None if cap is None else _grouped_score(paged_score_mod(self.page_table, rows, softcap(cap)), group)))
-        start, end, q_block = plan.num_decode, plan.q_len, plan.chunk_block
+            return (0, plan.num_decode, *self.decode_region(window, cap, group))
+        start, end, q_block = plan.decode_tokens, plan.q_len, plan.chunk_block
         if cap is not None:  # the same block metadata as without soft-capping, plus the score mod
             rows, pos = plan.tok_rows[start:end], plan.tok_pos[start:end]
             return self._variant((name, window, cap), lambda: (
                 *self.region(name, window)[:3], packed_score_mod(self.page_table, rows, pos, softcap(cap))))
         return self._variant((name, window, None), lambda: (
             start, end, _region_mask(self.page_table, plan, start, end, q_block, window), None))
+
+    def decode_region(self, window: int | None = None, cap: float | None = None, group: int = 1
+                      ) -> tuple[BlockMask, ScoreMod | None]:
+        """The decode region's ``(block_mask, score_mod)``: its tokens as a batch of ``decode_len``
+        one-token rows (``DecodeRows``) with ``group`` query heads along the query axis. Built
+        once per step and variant; a compiled step gets them built before it runs (``prepare``)."""
+        plan = self.plan
+        rows = self._variant(("decode_rows",), lambda: DecodeRows.of(plan))
+        mask_mod = None if window is None else sliding_window(window)
+        return self._variant(("decode", window, cap, group), lambda: (
+            _build(self.page_table, rows, mask_mod, Q_BLOCK_SIZE, group),
+            None if cap is None else _grouped_score(paged_score_mod(self.page_table, rows, softcap(cap)), group)))
+
+    def decode_variants(self) -> set[tuple[int | None, float | None]]:
+        """The ``(window, cap)`` variants whose decode region this step's layers asked for."""
+        return {(key[1], key[2]) for key in self._variants if key[0] == "decode"}
+
+    def prepare(self, variants: set[tuple[int | None, float | None]]) -> "PackedBlockMask":
+        """Build the decode region of each layer variant ``(window, cap)`` now, as a compiled
+        forward reads them (it must not build them while being traced). Returns the mask."""
+        for window, cap in variants:
+            self.decode_region(window, cap)
+        return self
 
     def decode_kv(self, window: int | None = None) -> SequenceKV:
         """Where the lone decode token's keys live, for SDPA over its pages (``SequenceKV``)."""

@@ -11,6 +11,7 @@ and graph-captured steps belong here.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -22,12 +23,15 @@ from transformers import PreTrainedModel
 from .attention import sdpa_over_pages
 from .cache import PagedKVCache
 from .errors import OutOfPagesError, StepFailedError
+from .policy import device_policy
 from .masks import PackedBlockMask
 from .host import cdiv, host_tensor
 from .penalties import adjust_logits
 from .requests import SamplingParams, TokenLogprobs
 from .sampling import Sampler, greedy_tokens
 from .scheduler import Batch, Sequence
+
+log = logging.getLogger(__name__)
 
 # query block of prefill chunks where FlexAttention attends them (Triton's smallest tile); where SDPA
 # attends each chunk on its own (CPU) chunks need no alignment. Decode tokens are one-token rows.
@@ -55,7 +59,7 @@ class ModelRunner:
     sampling settings and generator from ``add`` to ``forget``."""
 
     def __init__(self, model: PreTrainedModel, cache: PagedKVCache, cache_argument: str, max_batch_size: int,
-                 max_tokens_per_step: int) -> None:
+                 max_tokens_per_step: int, compile_decode: bool | None = None) -> None:
         if max_tokens_per_step < max_batch_size + CHUNK_BLOCK:
             raise ValueError(
                 f"max_tokens_per_step ({max_tokens_per_step}) must leave room for a decode token per sequence "
@@ -69,6 +73,18 @@ class ModelRunner:
         self.chunk_block = 1 if self.sdpa else CHUNK_BLOCK  # unaligned chunks: no padding rows in the forward
         self.sampling: dict[int, tuple[SamplingParams, torch.Generator | None]] = {}
         self.sampler = Sampler()  # keeps its scratch rows from step to step
+        # decode-only steps through the whole forward compiled, one graph per decode bucket (static
+        # shapes: the bucket's padding rows are fed too): every bucket, none, or (None) the buckets
+        # where the device policy measured it faster than eager
+        buckets = {self.decode_len(n) for n in range(1, max_batch_size + 1)}
+        alone = not getattr(model, "hf_device_map", None) and (getattr(model, "tp_size", None) or 1) == 1
+        self.compile_decode = compile_decode
+        self.compiled_buckets = (buckets if compile_decode else set() if compile_decode is False or not alone
+                                 else buckets & set(device_policy(self.device).compiled_decode_buckets))
+        self.compiled = (torch.compile(model, dynamic=False, fullgraph=False, options={"freezing": True})
+                         if self.compiled_buckets else None)
+        self.variants: set[tuple[int | None, float | None]] = set()  # layers' (window, cap), seen eagerly
+        self.compiled_steps = 0  # steps that ran the compiled forward
 
     # ------------------------------------------------------------------ requests
     def add(self, index: int, params: SamplingParams) -> None:
@@ -102,8 +118,9 @@ class ModelRunner:
         chunks = batch.chunks + [(seq, 1 + len(seq.drafts)) for seq in batch.verify]
         aligned = sum(cdiv(n, block) * block for _, n in chunks)
         chunk_len = aligned if self.sdpa or not aligned else _bucket(aligned, MIN_CHUNK_REGION)  # buckets: graphs
+        compiled = decode_len in self.compiled_buckets and not chunks and bool(self.variants)
         plan = self.cache.begin_packed_step(
-            [s.row for s in batch.decode], [(s.row, n) for s, n in chunks], decode_len, chunk_len, block
+            [s.row for s in batch.decode], [(s.row, n) for s, n in chunks], decode_len, chunk_len, block, compiled
         )
         ids = [seq.tokens[-1] for seq in batch.decode]  # not padded to decode_len: attention pads its rows
         keep, sampled = list(range(len(batch.decode))), list(batch.decode)  # positions whose logits pick a token
@@ -120,27 +137,35 @@ class ModelRunner:
             keep += range(len(ids), len(ids) + n)
             ids += [seq.tokens[-1], *seq.drafts] + [0] * (cdiv(n, block) * block - n)
         ids += [0] * (plan.q_len - len(ids))
+        if compiled:  # every padded row's logits (static shapes), the real ones kept
+            keep = list(range(plan.q_len))
         try:
-            logits, seconds = self._logits(ids, plan, keep)
+            logits, seconds = self._logits(ids, plan, keep, compiled)
+            logits = logits[: len(batch.decode)] if compiled else logits
         except Exception as error:  # the step's tokens were never computed (the scheduler rolls them back)
             raise StepFailedError([seq.index for seq in batch.stepped], error) from error
         return Forward(logits, sampled, decode_len, chunk_len, seconds, verify_rows)
 
-    def _logits(self, ids: list[int], plan, keep: list[int]) -> tuple[torch.Tensor, float]:
-        """One forward over a packed step: the logits of the ``keep`` positions, and the seconds
-        the model itself took (building its inputs and mask is host work)."""
+    def _logits(self, ids: list[int], plan, keep: list[int], compiled: bool = False) -> tuple[torch.Tensor, float]:
+        """One forward over a packed step (``compiled``: the compiled decode forward): the logits of
+        the ``keep`` positions, and the seconds the model itself took (inputs and mask are host work)."""
         device = self.device
+        mask = PackedBlockMask.for_step(self.cache.page_table, plan)
         inputs = dict(
             input_ids=host_tensor(ids, device).view(1, -1),
             position_ids=plan.position_ids,  # the plan's tensors are on the cache's device already
-            attention_mask=PackedBlockMask.for_step(self.cache.page_table, plan),
+            attention_mask=mask.prepare(self.variants) if compiled else mask,
             use_cache=True,
             # every position's logits (0) when all are kept: a pure decode step builds no index tensor
             logits_to_keep=0 if len(keep) == len(ids) else host_tensor(keep, device),
         )
         start = time.perf_counter()
-        logits = self.model(**inputs, **{self.cache_argument: self.cache}).logits[0]
-        return logits, time.perf_counter() - start
+        logits = (self.compiled if compiled else self.model)(**inputs, **{self.cache_argument: self.cache}).logits[0]
+        seconds = time.perf_counter() - start
+        if not compiled and plan.decode_len > 1 and not plan.chunks:  # what a compiled step must build first
+            self.variants |= mask.decode_variants()
+        self.compiled_steps += compiled
+        return logits, seconds
 
     def pick(self, logits: torch.Tensor, picks: list[tuple[Sequence, int]]
              ) -> tuple[list[int | None], dict[int, TokenLogprobs], dict[int, str]]:
@@ -263,6 +288,25 @@ class ModelRunner:
             try:
                 plan = self.cache.begin_packed_step(rows[:decoding], chunks, decode_len, chunk_len, self.chunk_block)
                 self._logits([0] * plan.q_len, plan, list(range(max(decoding, 1))))  # LM head: every decode row
+            finally:
+                for row in rows:
+                    self.cache.free_sequence(row)
+        # then the compiled decode graphs, twice over: the first forward of a model sets state that
+        # the graphs compiled before it guard on (transformers' kernel hub), so the second builds it
+        buckets = sorted(self.compiled_buckets)
+        for decode_len in tqdm(buckets * 2, desc="compiled steps", unit="graph", disable=not (progress and buckets)):
+            if decode_len not in self.compiled_buckets:
+                continue
+            rows = [self.cache.add_sequence() for _ in range(min(decode_len, self.max_batch_size))]
+            try:
+                plan = self.cache.begin_packed_step(rows, [], decode_len, 0, self.chunk_block, True)
+                self._logits([0] * plan.q_len, plan, list(range(plan.q_len)), compiled=True)
+                self.compiled_steps -= 1  # warm-up is not serving
+            except Exception as error:  # noqa: BLE001 - this bucket's steps run eager instead
+                if self.compile_decode:  # asked for explicitly: say why it cannot be had
+                    raise
+                self.compiled_buckets.discard(decode_len)
+                log.warning("decode bucket %d runs eager: compiling its forward failed (%s)", decode_len, error)
             finally:
                 for row in rows:
                     self.cache.free_sequence(row)

@@ -48,7 +48,9 @@ class PackedPlan:
     the real ones empty); after them come prefill chunks, each starting at a multiple of
     ``chunk_block`` so that a query block never spans two sequences. Positions left over (chunk
     alignment, the chunk region's bucket tail) are padding: row 0, position -1, slot in the sink
-    page. A bucket never pads the decode tokens themselves: a forward computes each once.
+    page. An eager forward computes each decode token once (``decode_tokens`` = the real ones); a
+    compiled step feeds all ``decode_len`` positions (``pad_decode``: the rows past the real ones
+    write to the sink page and see nothing), so its shapes repeat.
     """
 
     slots: torch.Tensor  # [1, q_len] int64, pool slot of each packed token
@@ -60,6 +62,7 @@ class PackedPlan:
     decode_len: int
     chunk_block: int
     q_len: int
+    decode_tokens: int  # positions of the decode region in the packed row: the real tokens, or decode_len
 
     @property
     def max_new(self) -> int:
@@ -392,20 +395,22 @@ class PageTable:
         self.key_pages.clear()
 
     def plan_packed(self, decode_rows: Sequence[int], chunks: Sequence[tuple[int, int]], decode_len: int,
-                    chunk_len: int, chunk_block: int) -> PackedPlan:
+                    chunk_len: int, chunk_block: int, pad_decode: bool = False) -> PackedPlan:
         """Describe a ragged step whose tokens were just added by ``extend``, in a layout the caller
         checked with ``check_packed_layout`` before extending (``PagedKVCache.begin_packed_step``).
 
         ``decode_rows`` each feed their last token; ``chunks`` are ``(row, num_tokens)`` prefill
         chunks ending at the row's last token. The decode tokens are attended as ``decode_len``
         one-token rows, the chunk region is ``chunk_len`` positions (both bucketed by the caller,
-        so compiled shapes repeat).
+        so compiled shapes repeat); with ``pad_decode`` the packed row holds all ``decode_len``
+        decode positions, the padding ones written to the sink page.
         """
-        q_len, lens = len(decode_rows) + chunk_len, self.seq_lens
+        decode_tokens = decode_len if pad_decode else len(decode_rows)
+        q_len, lens = decode_tokens + chunk_len, self.seq_lens
         rows, positions = [0] * q_len, [-1] * q_len
         rows[: len(decode_rows)] = decode_rows
         positions[: len(decode_rows)] = [lens[row] - 1 for row in decode_rows]
-        at = len(decode_rows)
+        at = decode_tokens
         for row, n in chunks:
             end = lens[row]
             rows[at : at + n] = [row] * n
@@ -429,6 +434,7 @@ class PageTable:
             decode_len=decode_len,
             chunk_block=chunk_block,
             q_len=q_len,
+            decode_tokens=decode_tokens,
         )
 
     # ------------------------------------------------------------------ internals

@@ -121,6 +121,7 @@ class EngineStats:
     drafted_tokens: int = 0  # speculated tokens verified (``Engine(speculative=...)``)
     accepted_tokens: int = 0  # of those, the ones the model agreed with
     verifications: int = 0  # sequence-steps that verified drafts
+    compiled_steps: int = 0  # steps through the compiled decode forward (``compile_decode``)
 
     @property
     def acceptance_rate(self) -> float:

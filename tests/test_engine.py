@@ -405,3 +405,16 @@ def test_a_request_with_no_distribution_to_sample_fails_alone(expected, monkeypa
         outputs[record.index].append(record.token)
     assert [outputs[i] for i in greedy] == expected[:2] and outputs[poisoned] == []
     assert not engine.has_work and engine.cache.stats().pages_used == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])  # Gemma 2: sliding windows and soft-capped scores
+def test_compiled_decode_steps_match_stock_and_compile_nothing_after_warmup(arch):
+    """Decode-only steps of 2+ sequences through the whole forward compiled, one graph per decode
+    bucket built by warm-up (padding rows fed too): stock's tokens, no graph built while serving."""
+    stock = zoo.build(f"{arch}-tiny")
+    engine = make_engine(arch, compile_decode=True)
+    graphs = compiled_graphs()
+    outputs = engine.generate(workload(), max_new_tokens=list(NEW_TOKENS))
+    assert outputs == [stock_greedy(stock, p, n) for p, n in zip(workload(), NEW_TOKENS)]
+    assert compiled_graphs() == graphs
+    assert engine.stats().compiled_steps > 0
