@@ -1,8 +1,9 @@
 """The model zoo: one transformers config per architecture and size, built with seeded random weights.
 
 ``tiny`` configs keep the test suite fast; ``small`` ones (``llama-small`` is the benchmark
-default: ~57M parameters, hidden 512, 8 layers, 8 query / 2 KV heads, vocab 32000) are for
-benchmarks. Weights are never downloaded. Each vocabulary size has a byte-level BPE tokenizer with a
+default: ~57M parameters, hidden 512, 8 layers, 8 query / 2 KV heads, vocab 32000) are for CPU
+benchmarks; ``llama-1b`` (~1.1B parameters, hidden 2048, 16 layers, 32 query / 8 KV heads, MLP
+8192, vocab 32000) is sized for a GPU, built in its dtype straight on the device. Weights are never downloaded. Each vocabulary size has a byte-level BPE tokenizer with a
 chat template (``load_tokenizer``; built by ``scripts/build_tokenizers.py``). Configs and tokenizers
 live in the repository's ``models/``; a wheel ships them inside the package (``flexpage/configs``,
 ``flexpage/tokenizers``).
@@ -43,9 +44,11 @@ def build(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     attn_implementation: str | None = None,
+    device: torch.device | str = "cpu",
     **overrides,
 ) -> PreTrainedModel:
-    """A causal LM from config ``name`` with seeded random weights, in eval mode.
+    """A causal LM from config ``name`` with seeded random weights, in eval mode, its weights
+    created on ``device`` (a GPU-sized model never passes through host memory).
 
     ``attn_implementation`` defaults to sdpa where the architecture supports it, else eager; a
     model with attention-logit softcapping always defaults to eager, since SDPA would silently drop
@@ -54,7 +57,8 @@ def build(
     config = load_config(name, **overrides)
     if attn_implementation is None and getattr(config, "attn_logit_softcapping", None):
         attn_implementation = "eager"
-    with torch.random.fork_rng(devices=[]):
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []), device:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     return model.eval()

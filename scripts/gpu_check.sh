@@ -31,7 +31,7 @@ fi
 mkdir -p "$OUT"
 missing=$($PY - <<'PY'
 import importlib.util
-need = {"transformers": "transformers", "accelerate": "accelerate", "einops": "einops", "tqdm": "tqdm",
+need = {"transformers": "transformers", "accelerate": "accelerate", "tqdm": "tqdm",
         "pytest": "pytest", "pytest_timeout": "pytest-timeout", "hypothesis": "hypothesis",
         "matplotlib": "matplotlib", "numpy": "numpy"}
 print(" ".join(pkg for mod, pkg in need.items() if importlib.util.find_spec(mod) is None))

@@ -12,7 +12,8 @@ into the latencies.
 
 Configurations: flexpage (wrap), flexpage_stock_linears (wrap(few_row_linears=False): the model's own
 linear layers), flexpage_compiled (wrap(compile_decode=True)), flexpage_engine (each prompt a
-request of an Engine, built and warmed up before timing; its host ms per step is recorded too), stock
+request of an Engine, built and warmed up before timing; its host ms per step is recorded too),
+flexpage_engine_eager (the same with ``compile_decode=False``: every step eager), stock
 dynamic cache (sdpa), stock attn_implementation=
 "flex_attention", stock static cache (eager and torch.compile'd), stock use_cache=False
 (dropped at longer lengths once it exceeds --no-cache-budget seconds).
@@ -41,8 +42,8 @@ from flexpage.bench.measure import (
     PeakMemory, TokenClock, add_run_arguments, caption, compiled_graphs, finish_axes, save_figure,
     machine_info, matmul_probe_ms, out_dir, write_records)
 
-CONFIGS = ("flexpage", "flexpage_stock_linears", "flexpage_compiled", "flexpage_engine", "stock_dynamic_sdpa", "stock_flex_attention", "stock_static", "stock_static_compiled",
-           "stock_no_cache")
+CONFIGS = ("flexpage", "flexpage_stock_linears", "flexpage_compiled", "flexpage_engine", "flexpage_engine_eager",
+           "stock_dynamic_sdpa", "stock_flex_attention", "stock_static", "stock_static_compiled", "stock_no_cache")
 PAPER_GROWTH = 2.0  # "Paged Attention Meets FlexAttention": ~2x latency from 128 to 2048 tokens
 
 
@@ -65,8 +66,10 @@ def build_configs(model_name: str, max_len: int, page_size: int | None, device: 
     paged_stock_linears = flexpage.wrap(load(), max_cached_tokens=max_len, few_row_linears=False, **pages)
     compiled_paged = flexpage.wrap(load(), max_cached_tokens=max_len, compile_decode=True, **pages)
     pool_bytes = sum(layer.keys.numel() * 2 * layer.keys.element_size() for layer in flexpage.paged_state(paged).cache.layers)
-    engine = flexpage.Engine(load(), max_cached_tokens=max_len, max_batch_size=max(8, batch), max_tokens_per_step=512,
-                             prefix_caching=False, **pages)  # repeats recompute
+    engine_options = dict(max_cached_tokens=max_len, max_batch_size=max(8, batch), max_tokens_per_step=512,
+                          prefix_caching=False, **pages)  # repeats recompute
+    engine = flexpage.Engine(load(), **engine_options)
+    eager_engine = flexpage.Engine(load(), compile_decode=False, **engine_options)
     flex = load(attn_implementation="flex_attention")
     compiled = CompileConfig(fullgraph=False, dynamic=False)
     compiled._compile_all_devices = True  # transformers only auto-compiles on accelerators otherwise
@@ -75,6 +78,7 @@ def build_configs(model_name: str, max_len: int, page_size: int | None, device: 
         "flexpage_stock_linears": (paged_stock_linears, {}, lambda n: pool_bytes),
         "flexpage_compiled": (compiled_paged, {}, lambda n: pool_bytes),
         "flexpage_engine": (engine, {}, lambda n: pool_bytes),
+        "flexpage_engine_eager": (eager_engine, {}, lambda n: pool_bytes),
         "stock_dynamic_sdpa": (stock, {}, lambda n: n * per_token),
         "stock_flex_attention": (flex, {}, lambda n: n * per_token),
         "stock_static": (stock, {"cache_implementation": "static", "disable_compile": True}, lambda n: n * per_token),
