@@ -58,7 +58,7 @@ def build(
     if attn_implementation is None and getattr(config, "attn_logit_softcapping", None):
         attn_implementation = "eager"
     device = torch.device(device)
-    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []), device:
+    with torch.random.fork_rng(devices=[]), device:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     return model.eval()
