@@ -293,7 +293,8 @@ class ModelRunner:
                     self.cache.free_sequence(row)
         # then the compiled decode graphs, twice over: the first forward of a model sets state that
         # the graphs compiled before it guard on (transformers' kernel hub), so the second builds it
-        buckets = sorted(self.compiled_buckets)
+        # the layers' mask variants are learned from an eager multi-row step: none, no compiled steps
+        buckets = sorted(self.compiled_buckets) if self.variants else []
         for decode_len in tqdm(buckets * 2, desc="compiled steps", unit="graph", disable=not (progress and buckets)):
             if decode_len not in self.compiled_buckets:
                 continue

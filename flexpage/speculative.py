@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 
 from transformers import PreTrainedModel
 
+from .errors import FlexpageError
 from .requests import SamplingParams
 
 Proposer = Callable[[Sequence[int], int], list[int]]  # one sequence's tokens, k -> its drafts
@@ -61,8 +62,11 @@ class DraftModel:
         indices = [self.engine.add_request(list(tokens), SamplingParams(max_new_tokens=k, eos_token_id=[]))
                    for tokens, k in asks]
         drafts: dict[int, list[int]] = {index: [] for index in indices}
-        for record in self.engine.run():
-            drafts[record.index].append(record.token)
+        try:
+            for record in self.engine.run():
+                drafts[record.index].append(record.token)
+        except FlexpageError:  # a draft that fails costs only its speculation: keep what was drafted
+            self.engine.abort(indices)
         return [drafts[index] for index in indices]
 
 

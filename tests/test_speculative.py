@@ -145,3 +145,15 @@ def test_a_draft_model_changes_no_token(expected, draft_seed):
         assert stats.accepted_tokens == stats.drafted_tokens and stats.steps < sum(NEW_TOKENS) // 2
     with pytest.raises(ValueError, match="vocabulary"):
         make_engine(speculative=zoo.build("llama-tiny", vocab_size=300), warmup=False)
+
+
+def test_a_failing_draft_model_costs_only_its_speculation(expected, monkeypatch):
+    draft = zoo.build("llama-tiny")
+    engine = make_engine(speculative=draft, num_speculative_tokens=3)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the draft model broke")
+
+    monkeypatch.setattr(draft, "forward", broken)  # its next prefill fails
+    assert engine.generate(looping_prompts(), max_new_tokens=list(NEW_TOKENS)) == expected
+    assert engine.stats().drafted_tokens == 0
