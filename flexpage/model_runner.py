@@ -122,7 +122,7 @@ class ModelRunner:
         plan = self.cache.begin_packed_step(
             [s.row for s in batch.decode], [(s.row, n) for s, n in chunks], decode_len, chunk_len, block, compiled
         )
-        ids = [seq.tokens[-1] for seq in batch.decode]  # not padded to decode_len: attention pads its rows
+        ids = [seq.tokens[-1] for seq in batch.decode]  # eager: attention pads its rows; compiled: padded below
         keep, sampled = list(range(len(batch.decode))), list(batch.decode)  # positions whose logits pick a token
         for seq, n in batch.chunks:
             span = cdiv(n, block) * block
