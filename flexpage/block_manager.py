@@ -85,7 +85,7 @@ class BlockManager:
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Registered pages holding the sequence's longest cached prefix."""
-        return self._pages.lookup(self.prompt_keys(seq)) if self.prefix_caching else []
+        return self._pages.lookup(self.prompt_keys(seq))
 
     def keys_being_computed(self, running: Iterable[Sequence]) -> set[bytes]:
         """Keys of prompt pages that running sequences will register once computed."""

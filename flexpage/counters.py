@@ -23,13 +23,12 @@ class Counters:
         self.utilisation_sum = self.seconds = self.host_seconds = 0.0
         self.shapes: set[tuple[str, int]] = set()
         self.prefix_hits_at_reset, self.compiled_steps_at_reset = prefix_hits, compiled_steps
-        self._speculation_seen = (0, 0, 0)  # verifications, drafted and accepted tokens up to the last step
         self.history: deque[StepSummary] = deque(maxlen=HISTORY_STEPS)
 
     def step(self, batch: Batch, forward: Forward, produced: int, cache: CacheStats, shapes: list[tuple[str, int]],
-             start: float) -> None:
+             speculation: tuple[int, int, int], start: float) -> None:
         """One step (begun at ``perf_counter()`` ``start``): its work, the tokens it produced, the
-        pool after it and its compiled region shapes."""
+        pool after it, its compiled region shapes and its verifications, drafted and accepted tokens."""
         now = time.perf_counter()
         prefill = sum(n for _, n in batch.chunks)
         self.steps += 1
@@ -40,8 +39,9 @@ class Counters:
         self.prefill_tokens += prefill
         self.generated += produced
         self.host_seconds += now - start - forward.seconds
-        totals = (self.verifications, self.drafted, self.accepted)
-        speculation = [total - before for total, before in zip(totals, self._speculation_seen)]
-        self._speculation_seen = totals
+        verifications, drafted, accepted = speculation
+        self.verifications += verifications
+        self.drafted += drafted
+        self.accepted += accepted
         self.history.append(StepSummary(now, len(batch.decode) + len(batch.verify), prefill, cache.pages_used,
                                         cache.utilisation, *speculation))

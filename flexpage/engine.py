@@ -253,12 +253,11 @@ class Engine:
             raise
         picks = self.scheduler.computed(batch, forward.sampled)  # each sequence with its row of the logits
         records, failed = self._pick(forward.logits, picks)
-        if batch.verify:
-            self._verify(batch, forward, records, failed)
+        speculation = self._verify(batch, forward, records, failed) if batch.verify else (0, 0, 0)
         if failed:  # every rank fails the same rows (same logits, same seeds): no broadcast
             self._drop(failed)
         self.counters.step(batch, forward, len(records) - len(failed), self.cache.stats(),
-                           self.runner.compiled_shapes(forward.decode_len, forward.chunk_len), step_start)
+                           self.runner.compiled_shapes(forward.decode_len, forward.chunk_len), speculation, step_start)
         return records
 
     def _pick(self, logits: torch.Tensor, picks: list[tuple[Sequence, int]]) -> tuple[list[StepOutput], dict[int, str]]:
@@ -267,10 +266,12 @@ class Engine:
         return [StepOutput(seq.index, None, "error", error=failed[seq.index]) if token is None
                 else self._append(seq, token, logprobs.get(seq.index)) for (seq, _), token in zip(picks, tokens)], failed
 
-    def _verify(self, batch: Batch, forward: Forward, records: list[StepOutput], failed: dict[int, str]) -> None:
+    def _verify(self, batch: Batch, forward: Forward, records: list[StepOutput], failed: dict[int, str]
+                ) -> tuple[int, int, int]:
         """Speculating sequences pick a token at each fed position in turn, as they would one step
         at a time (greedy, sampled, penalised alike), while each picked token equals the draft fed
-        after it; then their rejected drafts' slots are given back. Adds to ``records``, ``failed``."""
+        after it; then their rejected drafts' slots are given back. Adds to ``records``, ``failed``;
+        returns the sequences that verified, their drafted and their accepted tokens."""
         going, accepted = list(batch.verify), dict.fromkeys((seq.index for seq in batch.verify), 0)
         for j in range(1 + max(len(seq.drafts) for seq in going)):
             picked, errors = self._pick(forward.logits, [(seq, forward.verify_rows[seq.index] + j) for seq in going])
@@ -280,11 +281,10 @@ class Engine:
                      if out.finish_reason is None and j < len(seq.drafts) and out.token == seq.drafts[j]]
             for seq in going:
                 accepted[seq.index] += 1
+        drafted = sum(len(seq.drafts) for seq in batch.verify)
         for seq in batch.verify:
-            self.counters.drafted += len(seq.drafts)
             self.scheduler.settle(seq, accepted[seq.index])
-        self.counters.accepted += sum(accepted.values())
-        self.counters.verifications += len(batch.verify)
+        return len(batch.verify), drafted, sum(accepted.values())
 
     def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> StepOutput:
         """A sequence's new token, and its end (pages freed) if the token ends it."""

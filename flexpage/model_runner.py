@@ -162,8 +162,8 @@ class ModelRunner:
         start = time.perf_counter()
         logits = (self.compiled if compiled else self.model)(**inputs, **{self.cache_argument: self.cache}).logits[0]
         seconds = time.perf_counter() - start
-        if not compiled and plan.decode_len > 1 and not plan.chunks:  # what a compiled step must build first
-            self.variants |= mask.decode_variants()
+        if self.compiled is not None and not self.variants and plan.decode_len > 1 and not plan.chunks:
+            self.variants = mask.decode_variants()  # what a compiled step must build first: every layer's, once
         self.compiled_steps += compiled
         return logits, seconds
 
