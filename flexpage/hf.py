@@ -302,6 +302,9 @@ def _begin_paged_step(module: torch.nn.Module, args: tuple, kwargs: dict) -> tup
     inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
     if inputs is None and args:
         inputs = args[0]
+    if kwargs.get("position_ids") is None:  # transformers' Cache contract: positions follow the cached length
+        past = cache.get_seq_length()  # read before the step advances it
+        kwargs["position_ids"] = torch.arange(past, past + inputs.shape[1], device=inputs.device)[None]
     kwargs["attention_mask"] = paged_step_mask(cache, inputs, kwargs.get("attention_mask"))
     return args, kwargs
 

@@ -112,6 +112,23 @@ def test_explicit_cache_holds_exactly_the_live_tokens(alias):
     assert stats.pages_used == sum(-(-(n + new - 1) // 16) for n in PROMPT_LENGTHS)
 
 
+def test_manual_loop_with_explicit_cache_derives_positions_from_it(stock_llama):
+    """transformers' Cache contract: a forward given no ``position_ids`` continues at the cached
+    length. A prompt fed in two chunks, then token by token, gives DynamicCache's logits."""
+    from transformers import DynamicCache
+
+    model = flexpage.wrap(zoo.build("llama-tiny"))
+    name = flexpage_hf.cache_argument(model)
+    ids = torch.randint(3, VOCAB, (1, 14), generator=torch.Generator().manual_seed(3))
+    paged, reference = PagedKVCache(model.config, page_size=16, num_pages=8, max_batch_size=2), DynamicCache()
+    for start, end in ((0, 8), (8, 12), (12, 13), (13, 14)):
+        with torch.no_grad():
+            expected = stock_llama(ids[:, start:end], **{name: reference}).logits
+            got = model(ids[:, start:end], **{name: paged}).logits
+        assert torch.allclose(got, expected, atol=1e-4), (start, (got - expected).abs().max())
+    assert paged.get_seq_length() == reference.get_seq_length() == 14
+
+
 def test_out_of_pages_raises_before_overwriting_and_next_call_succeeds():
     stock = zoo.build("llama-tiny")
     model = flexpage.wrap(zoo.build("llama-tiny"))
