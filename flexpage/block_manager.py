@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 from .cache import PagedKVCache
 from .host import cdiv
-
-if TYPE_CHECKING:
-    from .scheduler import Sequence
+from .sequence import Batch, Sequence
 
 
 def page_key(previous: bytes, tokens: list[int]) -> bytes:
@@ -45,6 +43,11 @@ class BlockManager:
     def num_free_pages(self) -> int:
         """Pages an allocation can take (free ones and cached ones nobody holds)."""
         return self._pages.num_free_pages
+
+    @property
+    def num_unused_pages(self) -> int:
+        """Pages neither held nor cached (warm-up takes only these, so the prefix cache stays)."""
+        return len(self._pages.free_pages)
 
     @property
     def max_seq_len(self) -> int:
@@ -113,9 +116,18 @@ class BlockManager:
         self.hit_tokens += seq.num_computed
         return revived
 
-    def fork(self, seq: Sequence) -> int:
-        """A new row sharing all of the sequence's pages (copy-on-write when either writes)."""
-        return self.cache.fork(seq.row)
+    def reserve(self, batch: Batch) -> None:
+        """Reserve the slots of a scheduled step's new tokens (``Scheduler.rollback`` gives them back
+        through ``truncate`` if its forward fails)."""
+        work = batch.new_tokens()
+        self.cache.reserve([seq.row for seq, _ in work], [n for _, n in work])
+
+    def fork(self, seq: Sequence, child: Sequence) -> None:
+        """Give ``child`` a new row sharing all of the sequence's pages (copy-on-write when either
+        writes) and its computed tokens' bookkeeping."""
+        child.row = self.cache.fork(seq.row)
+        child.num_computed, child.num_registered = seq.num_computed, seq.num_registered
+        child.block_keys = list(seq.block_keys)
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Roll a running sequence back to its first ``num_tokens`` computed tokens (a failed step's

@@ -149,7 +149,7 @@ class PagedKVCache(Cache):
 
         All or nothing: on ``OutOfPagesError`` no page, length or K/V byte has changed.
         """
-        self._extend(rows, new_tokens)
+        self.reserve(rows, new_tokens)
         self.step = self.page_table.plan(rows, new_tokens, q_len)
         return self.step
 
@@ -162,17 +162,33 @@ class PagedKVCache(Cache):
         chunk_block: int = 16,
         pad_decode: bool = False,
     ) -> PackedPlan:
-        """Reserve room for a ragged step: one token for each of ``decode_rows`` and
-        ``(row, num_tokens)`` prefill chunks, packed as ``PageTable.plan_packed`` describes.
-
-        All or nothing, as ``begin_step``.
-        """
+        """Reserve room for a ragged step (``reserve``) and plan it (``plan_packed_step``): one token
+        for each of ``decode_rows`` and ``(row, num_tokens)`` prefill chunks. All or nothing, as
+        ``begin_step``."""
         check_packed_layout(len(decode_rows), [n for _, n in chunks], decode_len, chunk_len, chunk_block)
-        self._extend([*decode_rows, *(row for row, _ in chunks)], [1] * len(decode_rows) + [n for _, n in chunks])
+        self.reserve([*decode_rows, *(row for row, _ in chunks)], [1] * len(decode_rows) + [n for _, n in chunks])
+        return self.plan_packed_step(decode_rows, chunks, decode_len, chunk_len, chunk_block, pad_decode)
+
+    def plan_packed_step(
+        self,
+        decode_rows: Sequence[int],
+        chunks: Sequence[tuple[int, int]],
+        decode_len: int,
+        chunk_len: int,
+        chunk_block: int = 16,
+        pad_decode: bool = False,
+    ) -> PackedPlan:
+        """Plan a ragged step over tokens already reserved (``reserve``): each of ``decode_rows``
+        feeds its last token, each ``(row, num_tokens)`` chunk its last ``num_tokens``, packed as
+        ``PageTable.plan_packed`` describes."""
+        check_packed_layout(len(decode_rows), [n for _, n in chunks], decode_len, chunk_len, chunk_block)
         self.step = self.page_table.plan_packed(decode_rows, chunks, decode_len, chunk_len, chunk_block, pad_decode)
+        self._written = set()
         return self.step
 
-    def _extend(self, rows: Sequence[int], new_tokens: Sequence[int]) -> None:
+    def reserve(self, rows: Sequence[int], new_tokens: Sequence[int]) -> None:
+        """Grow each row by its new tokens (pages allocated, shared last pages copied before they
+        are written). All or nothing: on ``OutOfPagesError`` no page, length or K/V byte has changed."""
         copies = self.page_table.extend(rows, new_tokens)  # ValueError for an unused row
         for src, dst in copies:
             for layer in self.layers:

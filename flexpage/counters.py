@@ -6,9 +6,9 @@ import time
 from collections import deque
 
 from .cache import CacheStats
-from .model_runner import Forward
-from .requests import StepSummary
-from .scheduler import Batch
+from .model_runner import StepResult
+from .requests import StepOutput, StepSummary
+from .sequence import Batch
 
 HISTORY_STEPS = 10_000  # steps ``Engine.history`` keeps, the latest: a server steps for days
 
@@ -25,11 +25,13 @@ class Counters:
         self.prefix_hits_at_reset, self.compiled_steps_at_reset = prefix_hits, compiled_steps
         self.history: deque[StepSummary] = deque(maxlen=HISTORY_STEPS)
 
-    def step(self, batch: Batch, forward: Forward, produced: int, cache: CacheStats, shapes: list[tuple[str, int]],
-             speculation: tuple[int, int, int], start: float) -> None:
-        """One step (begun at ``perf_counter()`` ``start``): its work, the tokens it produced, the
-        pool after it, its compiled region shapes and its verifications, drafted and accepted tokens."""
+    def step(self, batch: Batch, forward: StepResult, records: list[StepOutput], cache: CacheStats,
+             shapes: list[tuple[str, int]], start: float) -> None:
+        """One step (begun at ``perf_counter()`` ``start``): its work, its forward and speculation,
+        the records it produced, the pool after it and its compiled region shapes."""
         now = time.perf_counter()
+        produced = sum(r.token is not None for r in records)
+        self.finished += sum(r.finish_reason is not None for r in records)
         prefill = sum(n for _, n in batch.chunks)
         self.steps += 1
         self.attention_calls += (forward.decode_len > 0) + (forward.chunk_len > 0)
@@ -39,9 +41,8 @@ class Counters:
         self.prefill_tokens += prefill
         self.generated += produced
         self.host_seconds += now - start - forward.seconds
-        verifications, drafted, accepted = speculation
-        self.verifications += verifications
-        self.drafted += drafted
-        self.accepted += accepted
+        self.verifications += forward.verifications
+        self.drafted += forward.drafted
+        self.accepted += forward.accepted
         self.history.append(StepSummary(now, len(batch.decode) + len(batch.verify), prefill, cache.pages_used,
-                                        cache.utilisation, *speculation))
+                                        cache.utilisation, forward.verifications, forward.drafted, forward.accepted))

@@ -24,11 +24,12 @@ from .block_manager import BlockManager
 from .counters import Counters
 from .errors import InvalidRequestError, RequestFailedError
 from .hf import paged_state, wrap
-from .model_runner import Forward, ModelRunner
+from .model_runner import ModelRunner
 from .parallel import RankSync
-from .requests import (EngineStats, SamplingParams, StepOutput, StepSummary, TokenLogprobs, checked_prompt,
+from .requests import (EngineStats, SamplingParams, StepOutput, StepSummary, checked_prompt,
                        all_checked, per_prompt_params)
-from .scheduler import Batch, Scheduler, Sequence
+from .scheduler import Scheduler
+from .sequence import Sequence, sample_generator
 from .speculative import Proposer, proposer
 
 class Engine:
@@ -133,9 +134,10 @@ class Engine:
         """Schedule a checked request; its output indices are the next ``num_return_sequences``."""
         index = self._next_index
         self._next_index += params.num_return_sequences  # sample j of the request is output index + j
-        self.runner.add(index, params)
-        seq = Sequence(index, tokens, len(tokens), params.max_new_tokens, params.stop_tokens(),
-                       arrival=time.perf_counter(), forks=params.num_return_sequences - 1)
+        arrival, device = time.perf_counter(), self.runner.device
+        seq, *siblings = [Sequence(index + j, list(tokens), len(tokens), params, sample_generator(params, j, device),
+                                   arrival) for j in range(params.num_return_sequences)]
+        seq.siblings = siblings
         self.scheduler.add(seq)
         return index
 
@@ -177,10 +179,8 @@ class Engine:
         return self._drop(indices)
 
     def _drop(self, indices: Collection[int]) -> list[int]:
-        """Remove outputs from the scheduler (pages freed) and forget their sampling settings."""
-        dropped = self.scheduler.abort(lambda seq: seq.index in indices)
-        self.runner.forget(indices)
-        return dropped
+        """Remove outputs from the scheduler (pages freed)."""
+        return self.scheduler.abort(lambda seq: seq.index in indices)
 
     def run(self) -> Iterator[StepOutput]:
         """Step until every queued request has finished, yielding each step's records of tokens;
@@ -241,63 +241,20 @@ class Engine:
         step_start = time.perf_counter()
         if self.ranks is not None and not self._synced():
             return []
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule()  # rows and slots reserved
         if self.ranks is not None:
             self.ranks.compare(batch.signature())
         if not batch:
             return []
         try:
-            forward = self.runner.forward(batch)  # a failure raises StepFailedError
+            result = self.runner.run(batch)  # a failed forward raises StepFailedError
         except BaseException:
             self.scheduler.rollback(batch)
             raise
-        picks = self.scheduler.computed(batch, forward.sampled)  # each sequence with its row of the logits
-        records, failed = self._pick(forward.logits, picks)
-        speculation = self._verify(batch, forward, records, failed) if batch.verify else (0, 0, 0)
-        if failed:  # every rank fails the same rows (same logits, same seeds): no broadcast
-            self._drop(failed)
-        self.counters.step(batch, forward, len(records) - len(failed), self.cache.stats(),
-                           self.runner.compiled_shapes(forward.decode_len, forward.chunk_len), speculation, step_start)
+        records = self.scheduler.postprocess(batch, result.picks)  # every rank fails the same requests
+        self.counters.step(batch, result, records, self.cache.stats(), self.runner.compiled_shapes(
+            result.decode_len, result.chunk_len), step_start)
         return records
-
-    def _pick(self, logits: torch.Tensor, picks: list[tuple[Sequence, int]]) -> tuple[list[StepOutput], dict[int, str]]:
-        """Each sequence's next token from its row of ``logits``, appended; the failed ones' errors."""
-        tokens, logprobs, failed = self.runner.pick(logits, picks)
-        return [StepOutput(seq.index, None, "error", error=failed[seq.index]) if token is None
-                else self._append(seq, token, logprobs.get(seq.index)) for (seq, _), token in zip(picks, tokens)], failed
-
-    def _verify(self, batch: Batch, forward: Forward, records: list[StepOutput], failed: dict[int, str]
-                ) -> tuple[int, int, int]:
-        """Speculating sequences pick a token at each fed position in turn, as they would one step
-        at a time (greedy, sampled, penalised alike), while each picked token equals the draft fed
-        after it; then their rejected drafts' slots are given back. Adds to ``records``, ``failed``;
-        returns the sequences that verified, their drafted and their accepted tokens."""
-        going, accepted = list(batch.verify), dict.fromkeys((seq.index for seq in batch.verify), 0)
-        for j in range(1 + max(len(seq.drafts) for seq in going)):
-            picked, errors = self._pick(forward.logits, [(seq, forward.verify_rows[seq.index] + j) for seq in going])
-            records += picked
-            failed |= errors
-            going = [seq for seq, out in zip(going, picked)
-                     if out.finish_reason is None and j < len(seq.drafts) and out.token == seq.drafts[j]]
-            for seq in going:
-                accepted[seq.index] += 1
-        drafted = sum(len(seq.drafts) for seq in batch.verify)
-        for seq in batch.verify:
-            self.scheduler.settle(seq, accepted[seq.index])
-        return len(batch.verify), drafted, sum(accepted.values())
-
-    def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> StepOutput:
-        """A sequence's new token, and its end (pages freed) if the token ends it."""
-        seq.append(token)
-        first = len(seq.tokens) == seq.prompt_len + 1
-        reason = None
-        if seq.finished:
-            reason = "stop" if token in seq.stop_token_ids else "length"
-            self.scheduler.finish(seq)
-            self.runner.forget([seq.index])
-            self.counters.finished += 1
-        return StepOutput(seq.index, token, reason, logprobs, seq.cached_tokens if first else None,
-                          time.perf_counter() - seq.arrival if first else None)
 
     def step_shapes(self) -> list[tuple[int, int]]:
         """Every ``(decode_len, chunk_len)`` region size that compiles a graph (``ModelRunner.step_shapes``)."""
@@ -307,7 +264,7 @@ class Engine:
         """Compile every step shape (``step_shapes``) now, so that no request ever waits on a
         compile; returns the seconds it took (also in ``stats()``). The pool, the prefix cache and
         the counters are as they were."""
-        self.warmup_seconds += self.runner.warmup(progress)
+        self.warmup_seconds += self.runner.warmup(self.blocks, progress)
         return self.warmup_seconds
 
     def stats(self) -> EngineStats:

@@ -13,23 +13,25 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Iterable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from .attention import sdpa_over_pages
+from .block_manager import BlockManager
 from .cache import PagedKVCache
 from .errors import OutOfPagesError, StepFailedError
 from .policy import device_policy
 from .masks import PackedBlockMask
 from .host import cdiv, host_tensor
 from .penalties import adjust_logits
-from .requests import SamplingParams, TokenLogprobs
+from .requests import TokenLogprobs
 from .sampling import Sampler, greedy_tokens
-from .scheduler import Batch, Sequence
+from .sequence import Batch, Pick, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -40,23 +42,22 @@ MIN_CHUNK_REGION = 64  # the smallest chunk-region bucket
 
 
 @dataclass
-class Forward:
-    """A step's forward: the logits of its sampling positions (one row per ``sampled`` sequence,
-    in order, then for each speculating sequence a row per fed token from ``verify_rows[index]``
-    on), its attention regions' sizes and the seconds the model took."""
+class StepResult:
+    """What a step's forward and picks produced: each picking sequence's ``Pick``, the attention
+    regions' sizes, the seconds the model took, and the speculation it verified."""
 
-    logits: torch.Tensor
-    sampled: list[Sequence]
+    picks: list[Pick]
     decode_len: int
     chunk_len: int
     seconds: float
-    verify_rows: dict[int, int] = field(default_factory=dict)
+    verifications: int = 0  # sequences that verified drafts
+    drafted: int = 0  # drafts they verified
+    accepted: int = 0  # drafts kept
 
 
 class ModelRunner:
     """Runs ``model`` (wrapped, with its pools in ``cache``) over scheduled batches of at most
-    ``max_batch_size`` sequences and ``max_tokens_per_step`` tokens; keeps each output's
-    sampling settings and generator from ``add`` to ``forget``."""
+    ``max_batch_size`` sequences and ``max_tokens_per_step`` tokens, and picks their next tokens."""
 
     def __init__(self, model: PreTrainedModel, cache: PagedKVCache, cache_argument: str, max_batch_size: int,
                  max_tokens_per_step: int, compile_decode: bool | None = None) -> None:
@@ -71,7 +72,6 @@ class ModelRunner:
         # a lone decode token and each prefill chunk take SDPA over their pages: they compile nothing
         self.sdpa = sdpa_over_pages(self.device, getattr(model.config, "attn_logit_softcapping", None), 1)
         self.chunk_block = 1 if self.sdpa else CHUNK_BLOCK  # unaligned chunks: no padding rows in the forward
-        self.sampling: dict[int, tuple[SamplingParams, torch.Generator | None]] = {}
         self.sampler = Sampler()  # keeps its scratch rows from step to step
         # decode-only steps through the whole forward compiled, one graph per decode bucket (static
         # shapes: the bucket's padding rows are fed too): every bucket, none, or (None) the buckets
@@ -86,32 +86,63 @@ class ModelRunner:
         self.variants: set[tuple[int | None, float | None]] = set()  # layers' (window, cap), seen eagerly
         self.compiled_steps = 0  # steps that ran the compiled forward
 
-    # ------------------------------------------------------------------ requests
-    def add(self, index: int, params: SamplingParams) -> None:
-        """Outputs ``index`` to ``index + num_return_sequences - 1`` sample as ``params`` asks, each
-        from its own generator (seeded with ``seed + sample`` when a seed is given)."""
-        for j in range(params.num_return_sequences):
-            self.sampling[index + j] = (params, self._generator(params, j))
-
-    def forget(self, indices: Iterable[int]) -> None:
-        """Drop these outputs' sampling settings (they finished or were aborted)."""
-        for index in indices:
-            self.sampling.pop(index, None)
-
-    def _generator(self, params: SamplingParams, sample: int) -> torch.Generator | None:
-        if not params.do_sample:
-            return None
-        generator = torch.Generator(device=self.device)
-        if params.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(params.seed + sample)
-        return generator
-
     # ------------------------------------------------------------------ a step
-    def forward(self, batch: Batch) -> Forward:
+    def run(self, batch: Batch) -> StepResult:
+        """One forward over the batch (its slots reserved when it was scheduled), then every
+        picking sequence's next token(s). Raises ``StepFailedError`` if the forward fails
+        (``Scheduler.rollback`` gives the slots back); a request whose pick fails fails alone."""
+        logits, sampled, verify_rows, decode_len, chunk_len, seconds = self._forward(batch)
+        picks = []
+        asks = []
+        for seq, row in sampled:  # a prompt just computed: its sibling samples pick from its row too
+            for sibling in seq.siblings if not seq.output else ():
+                picks.append(Pick(sibling, parent=seq))
+                asks.append((sibling, row, sibling.tokens))
+            picks.append(Pick(seq))
+            asks.append((seq, row, seq.tokens))
+        self._take(logits, asks, picks)
+        result = StepResult(picks, decode_len, chunk_len, seconds)
+        if batch.verify:
+            self._verify(logits, batch.verify, verify_rows, result)
+        return result
+
+    def _take(self, logits: torch.Tensor, asks: list[tuple[Sequence, int, list[int]]], picks: list[Pick]) -> list[bool]:
+        """Pick a token for each ask and add it to its ``Pick`` (or its failure); returns which succeeded."""
+        tokens, logprobs, failed = self.pick(logits, asks)
+        for (seq, _, _), pick, token in zip(asks, picks, tokens):
+            if token is None:
+                pick.error = failed[seq.index]
+            else:
+                pick.tokens.append(token)
+                pick.logprobs.append(logprobs.get(seq.index))
+        return [token is not None for token in tokens]
+
+    def _verify(self, logits: torch.Tensor, verify: list[Sequence], rows: list[int], result: StepResult) -> None:
+        """Speculating sequences pick a token at each fed position in turn, as they would one step
+        at a time (greedy, sampled, penalised alike: each position sees the tokens picked before
+        it), while each picked token equals the draft fed after it and does not end the sequence."""
+        going = [(seq, Pick(seq), row) for seq, row in zip(verify, rows)]
+        result.picks += [pick for _, pick, _ in going]
+        for j in range(1 + max(len(seq.drafts) for seq in verify)):
+            asks = [(seq, row + j, seq.tokens + pick.tokens) for seq, pick, row in going]
+            took = self._take(logits, asks, [pick for _, pick, _ in going])
+            still = []
+            for (seq, pick, row), ok in zip(going, took):
+                token = pick.tokens[-1] if ok else None
+                if ok and j < len(seq.drafts) and token == seq.drafts[j] and not seq.ends_with(
+                        token, len(seq.tokens) + len(pick.tokens)):
+                    pick.accepted += 1
+                    still.append((seq, pick, row))
+            going = still
+        result.verifications = len(verify)
+        result.drafted = sum(len(seq.drafts) for seq in verify)
+        result.accepted = sum(pick.accepted for pick in result.picks[-len(verify):])
+
+    def _forward(self, batch: Batch) -> tuple[torch.Tensor, list[tuple[Sequence, int]], list[int], int, int, float]:
         """One forward over the batch, packed: the decode tokens, then each prefill chunk (aligned to
-        the chunk block). Raises ``StepFailedError`` if it fails (``Scheduler.rollback`` gives the slots back)."""
+        the chunk block), then each speculating sequence's last token and drafts. Returns the logits
+        kept, each sampling sequence with its row of them, each speculating sequence's first row,
+        the regions' sizes and the seconds the model took."""
         decode_len = self.decode_len(len(batch.decode))
         block = self.chunk_block
         # speculating sequences are chunks of the chunk region: their last token and their drafts
@@ -119,7 +150,7 @@ class ModelRunner:
         aligned = sum(cdiv(n, block) * block for _, n in chunks)
         chunk_len = aligned if self.sdpa or not aligned else _bucket(aligned, MIN_CHUNK_REGION)  # buckets: graphs
         compiled = decode_len in self.compiled_buckets and not chunks and bool(self.variants)
-        plan = self.cache.begin_packed_step(
+        plan = self.cache.plan_packed_step(
             [s.row for s in batch.decode], [(s.row, n) for s, n in chunks], decode_len, chunk_len, block, compiled
         )
         ids = [seq.tokens[-1] for seq in batch.decode]  # eager: attention pads its rows; compiled: padded below
@@ -130,10 +161,10 @@ class ModelRunner:
             if seq.num_computed + n == len(seq.tokens):  # the chunk ends the prompt: its last logit samples
                 keep.append(len(ids) - span + n - 1)
                 sampled.append(seq)
-        verify_rows = {}
+        verify_rows = []
         for seq in batch.verify:  # every fed token's logits: each position verifies the draft after it
             n = 1 + len(seq.drafts)
-            verify_rows[seq.index] = len(keep)
+            verify_rows.append(len(keep))
             keep += range(len(ids), len(ids) + n)
             ids += [seq.tokens[-1], *seq.drafts] + [0] * (cdiv(n, block) * block - n)
         ids += [0] * (plan.q_len - len(ids))
@@ -144,7 +175,7 @@ class ModelRunner:
             logits = logits[: len(batch.decode)] if compiled else logits
         except Exception as error:  # the step's tokens were never computed (the scheduler rolls them back)
             raise StepFailedError([seq.index for seq in batch.stepped], error) from error
-        return Forward(logits, sampled, decode_len, chunk_len, seconds, verify_rows)
+        return logits, [(seq, row) for row, seq in enumerate(sampled)], verify_rows, decode_len, chunk_len, seconds
 
     def _logits(self, ids: list[int], plan, keep: list[int], compiled: bool = False) -> tuple[torch.Tensor, float]:
         """One forward over a packed step (``compiled``: the compiled decode forward): the logits of
@@ -167,61 +198,62 @@ class ModelRunner:
         self.compiled_steps += compiled
         return logits, seconds
 
-    def pick(self, logits: torch.Tensor, picks: list[tuple[Sequence, int]]
+    def pick(self, logits: torch.Tensor, asks: list[tuple[Sequence, int, list[int]]]
              ) -> tuple[list[int | None], dict[int, TokenLogprobs], dict[int, str]]:
-        """Each pick's next token (None if its request failed), the logprobs asked for, and why
-        each failed request failed. A row with nothing to sample from fails alone; if the step's
+        """Each ask's next token (None if its request failed), the logprobs asked for, and why each
+        failed request failed. An ask is a sequence, its row of ``logits`` and its tokens so far
+        (what penalties see). A row with nothing to sample from fails alone; if the step's
         penalties, sampling or logprobs raise, the picks are taken again one at a time, so only
         the requests that raise alone fail."""
         try:
-            tokens = self._next_tokens(logits, picks)
-            logprobs = self._logprobs(logits, picks, tokens)
+            tokens = self._next_tokens(logits, asks)
+            logprobs = self._logprobs(logits, asks, tokens)
         except Exception:  # noqa: BLE001 - the culprit is found below, one request at a time
             tokens, logprobs, failed = [], {}, {}
-            for pick in picks:
+            for ask in asks:
                 try:
-                    (token,) = self._next_tokens(logits, [pick])
-                    logprobs |= self._logprobs(logits, [pick], [token])
+                    (token,) = self._next_tokens(logits, [ask])
+                    logprobs |= self._logprobs(logits, [ask], [token])
                 except Exception as error:  # noqa: BLE001 - reported to this request alone
-                    token, failed[pick[0].index] = None, f"{type(error).__name__}: {error}"
+                    token, failed[ask[0].index] = None, f"{type(error).__name__}: {error}"
                 tokens.append(token)
         else:
             failed = {}
-        for (seq, _), token in zip(picks, tokens):
+        for (seq, _, _), token in zip(asks, tokens):
             if token is None and seq.index not in failed:
                 failed[seq.index] = ("nothing could be sampled from the request's logits: NaN or infinite after "
                                      "its penalties and temperature")
         return tokens, logprobs, failed
 
-    def _next_tokens(self, logits: torch.Tensor, picks: list[tuple[Sequence, int]]) -> list[int | None]:
-        """Each sequence's next token from its row of ``logits`` (after the penalties and bias its
+    def _next_tokens(self, logits: torch.Tensor, asks: list[tuple[Sequence, int, list[int]]]) -> list[int | None]:
+        """Each ask's next token from its row of ``logits`` (after the penalties and bias its
         request asks for): greedy ones by one argmax over the step, sampled ones by one draw over
-        the step (``Sampler``), each from its request's generator."""
-        settings = [self.sampling[seq.index] for seq, _ in picks]
-        if any(params.adjusts_logits for params, _ in settings):  # a float copy, a row per sequence, to adjust
-            logits = logits[host_tensor([row for _, row in picks], logits.device)].float()
-            adjust_logits(logits, [seq.tokens for seq, _ in picks], [seq.prompt_len for seq, _ in picks],
-                          [params for params, _ in settings], [seq.stop_token_ids for seq, _ in picks])
-            picks = [(seq, i) for i, (seq, _) in enumerate(picks)]
-        drawn = [i for i, (params, _) in enumerate(settings) if params.do_sample]
-        greedy = greedy_tokens(logits) if len(drawn) < len(picks) else None  # the argmax of every row
-        tokens = [0 if greedy is None else greedy[row] for _, row in picks]
+        the step (``Sampler``), each from its sequence's generator."""
+        params = [seq.params for seq, _, _ in asks]
+        rows = [row for _, row, _ in asks]
+        if any(p.adjusts_logits for p in params):  # a float copy, a row per sequence, to adjust
+            logits = logits[host_tensor(rows, logits.device)].float()
+            adjust_logits(logits, [tokens for _, _, tokens in asks], [seq.prompt_len for seq, _, _ in asks],
+                          params, [seq.stop_token_ids for seq, _, _ in asks])
+            rows = list(range(len(asks)))
+        drawn = [i for i, p in enumerate(params) if p.do_sample]
+        greedy = greedy_tokens(logits) if len(drawn) < len(asks) else None  # the argmax of every row
+        tokens = [0 if greedy is None else greedy[row] for row in rows]
         if drawn:
-            params = [settings[i][0] for i in drawn]
-            index = [picks[i][1] for i in drawn]  # no copy of the logits when every row samples
-            rows = logits if index == list(range(len(logits))) else logits[host_tensor(index, logits.device)]
-            sampled = self.sampler(rows, [p.temperature for p in params], [p.top_k for p in params],
-                                    [p.top_p for p in params], [settings[i][1] for i in drawn])
+            index = [rows[i] for i in drawn]  # no copy of the logits when every row samples
+            chosen = logits if index == list(range(len(logits))) else logits[host_tensor(index, logits.device)]
+            sampled = self.sampler(chosen, [params[i].temperature for i in drawn], [params[i].top_k for i in drawn],
+                                   [params[i].top_p for i in drawn], [asks[i][0].generator for i in drawn])
             for i, token in zip(drawn, sampled):
                 tokens[i] = token
         return tokens
 
-    def _logprobs(self, logits: torch.Tensor, picks: list[tuple[Sequence, int]],
-                  tokens: list[int]) -> dict[int, TokenLogprobs]:
+    def _logprobs(self, logits: torch.Tensor, asks: list[tuple[Sequence, int, list[int]]],
+                  tokens: list[int | None]) -> dict[int, TokenLogprobs]:
         """The log-probabilities the step's requests asked for (``SamplingParams.logprobs``), by
         sequence index: one log-softmax and one top-k over all of their rows."""
-        asked = [(seq.index, row, token, top) for (seq, row), token in zip(picks, tokens)
-                 if token is not None and (top := self.sampling[seq.index][0].logprobs) is not None]
+        asked = [(seq.index, row, token, top) for (seq, row, _), token in zip(asks, tokens)
+                 if token is not None and (top := seq.params.logprobs) is not None]
         if not asked:
             return {}
         device = logits.device
@@ -261,36 +293,33 @@ class ModelRunner:
         return [(0, c) for c in chunks] + [(d, 0) for d in decodes]
 
     @torch.inference_mode()
-    def warmup(self, progress: bool = True) -> float:
+    def warmup(self, blocks: BlockManager, progress: bool = True) -> float:
         """Compile every step shape the engine can use (``step_shapes``) now, so that no
         request ever waits on a compile; returns the seconds it took.
 
-        Each shape runs one forward over scratch rows (zeros as tokens), keeping every decode
-        row's logits (so the linear layers start timing their kernels for these row counts
-        here), then the rows are freed:
-        the pool, the prefix cache and the counters are as they were. A chunk region is warmed
-        with two chunks, since a lone chunk is attended by SDPA and compiles nothing.
+        Each shape runs one forward over scratch sequences (zeros as tokens) given rows and slots
+        by ``blocks``, keeping every decode row's logits (so the linear layers start timing their
+        kernels for these row counts here), then they are freed: the pool, the prefix cache and
+        the counters are as they were. A chunk region is warmed with two chunks, since a lone
+        chunk is attended by SDPA and compiles nothing.
         """
         start = time.perf_counter()
-        pt = self.cache.page_table
+        page_size = self.cache.page_size
         for decode_len, chunk_len in tqdm(self.step_shapes(), desc="warm-up", unit="shape", disable=not progress):
-            free = len(pt.free_pages) - decode_len - 1  # truly free pages: cached prefix pages stay
-            tokens = min(chunk_len, self.chunk_block + min(free, pt.max_pages_per_seq) * pt.page_size)
+            free = blocks.num_unused_pages - decode_len - 1  # cached prefix pages stay
+            tokens = min(chunk_len, self.chunk_block + min(free, blocks.max_seq_len // page_size) * page_size)
             if free < 0 or chunk_len and tokens <= self.chunk_block:
                 raise OutOfPagesError(f"warm-up needs free pages for a step of shape {(decode_len, chunk_len)}: "
                                       f"call it while the engine is idle")
-            split = self.max_batch_size > 1  # two chunks where two rows may run
-            decoding = min(decode_len, self.max_batch_size)  # a bucket may exceed the rows
-            rows = [self.cache.add_sequence() for _ in range(decoding + (1 + split) * (chunk_len > 0))]
-            chunks = [(rows[-1], tokens)] if chunk_len else []
-            if chunk_len and split:
-                chunks = [(rows[-2], self.chunk_block), (rows[-1], tokens - self.chunk_block)]
-            try:
-                plan = self.cache.begin_packed_step(rows[:decoding], chunks, decode_len, chunk_len, self.chunk_block)
-                self._logits([0] * plan.q_len, plan, list(range(max(decoding, 1))))  # LM head: every decode row
-            finally:
-                for row in rows:
-                    self.cache.free_sequence(row)
+            chunks = []
+            if chunk_len:  # two chunks where two rows may run
+                sizes = [self.chunk_block, tokens - self.chunk_block] if self.max_batch_size > 1 else [tokens]
+                chunks = [(_scratch(n), n) for n in sizes]
+            batch = Batch([_scratch(1) for _ in range(min(decode_len, self.max_batch_size))], chunks)
+            with _scratch_rows(blocks, batch):
+                plan = self.cache.plan_packed_step([s.row for s in batch.decode], [(s.row, n) for s, n in chunks],
+                                                   decode_len, chunk_len, self.chunk_block)
+                self._logits([0] * plan.q_len, plan, list(range(max(len(batch.decode), 1))))  # LM head: decode rows
         # then the compiled decode graphs, twice over: the first forward of a model sets state that
         # the graphs compiled before it guard on (transformers' kernel hub), so the second builds it
         # the layers' mask variants are learned from an eager multi-row step: none, no compiled steps
@@ -298,20 +327,38 @@ class ModelRunner:
         for decode_len in tqdm(buckets * 2, desc="compiled steps", unit="graph", disable=not (progress and buckets)):
             if decode_len not in self.compiled_buckets:
                 continue
-            rows = [self.cache.add_sequence() for _ in range(min(decode_len, self.max_batch_size))]
+            batch = Batch([_scratch(1) for _ in range(min(decode_len, self.max_batch_size))])
             try:
-                plan = self.cache.begin_packed_step(rows, [], decode_len, 0, self.chunk_block, True)
-                self._logits([0] * plan.q_len, plan, list(range(plan.q_len)), compiled=True)
-                self.compiled_steps -= 1  # warm-up is not serving
+                with _scratch_rows(blocks, batch):
+                    plan = self.cache.plan_packed_step([s.row for s in batch.decode], [], decode_len, 0,
+                                                       self.chunk_block, True)
+                    self._logits([0] * plan.q_len, plan, list(range(plan.q_len)), compiled=True)
+                    self.compiled_steps -= 1  # warm-up is not serving
             except Exception as error:  # noqa: BLE001 - this bucket's steps run eager instead
                 if self.compile_decode:  # asked for explicitly: say why it cannot be had
                     raise
                 self.compiled_buckets.discard(decode_len)
                 log.warning("decode bucket %d runs eager: compiling its forward failed (%s)", decode_len, error)
-            finally:
-                for row in rows:
-                    self.cache.free_sequence(row)
         return time.perf_counter() - start
+
+
+def _scratch(num_tokens: int) -> Sequence:
+    """A warm-up sequence of ``num_tokens`` zeros, none computed."""
+    return Sequence(-1, [0] * num_tokens, num_tokens)
+
+
+@contextmanager
+def _scratch_rows(blocks: BlockManager, batch: Batch) -> Iterator[None]:
+    """Rows and slots for a warm-up batch from ``blocks``, given back afterwards."""
+    try:
+        for seq in batch.stepped:
+            blocks.allocate(seq, [])
+        blocks.reserve(batch)
+        yield
+    finally:
+        for seq in batch.stepped:
+            if seq.row is not None:
+                blocks.free(seq)
 
 
 def _bucket(n: int, smallest: int) -> int:

@@ -11,74 +11,17 @@ preemption never changes a token.
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from dataclasses import dataclass, field
+from typing import Callable
 
 from .block_manager import BlockManager
 from .host import cdiv
+from .requests import StepOutput
+from .sequence import Batch, Pick, Sequence
 from .speculative import BatchProposer
 
 MAX_DRAFT_PAUSE = 16  # the most steps a sequence whose drafts keep failing decodes before drafting again
-
-
-@dataclass
-class Sequence:
-    """One request's tokens and progress; ``tokens`` is the prompt followed by the output."""
-
-    index: int  # the request's position in the caller's input
-    tokens: list[int]
-    prompt_len: int
-    max_new_tokens: int
-    stop_token_ids: frozenset[int] = frozenset()
-    row: int | None = None  # page-table row while running (the block manager's)
-    num_computed: int = 0  # tokens whose K/V are in the cache (the block manager's)
-    finished: bool = False
-    arrival: float = 0.0  # perf_counter() when the request was queued
-    forks: int = 0  # sibling samples still to split off once the prompt is done (num_return_sequences - 1)
-    block_keys: list[bytes] = field(default_factory=list)  # content keys of the first full pages (memo)
-    num_registered: int = 0  # leading pages registered in the prefix cache
-    cached_tokens: int = 0  # prompt tokens taken from the prefix cache when first admitted
-    drafts: list[int] = field(default_factory=list)  # speculated tokens this step verifies
-    draft_len: int = 0  # drafts to ask for next (0: the scheduler's most)
-    draft_pause: int = 0  # steps to decode without drafts after a run of rejections
-    draft_misses: int = 0  # verifications in a row that accepted nothing
-
-    @property
-    def output(self) -> list[int]:
-        return self.tokens[self.prompt_len :]
-
-    @property
-    def num_pending(self) -> int:
-        """Tokens whose K/V still need computing (1 for a sequence in decode)."""
-        return len(self.tokens) - self.num_computed
-
-    def append(self, token: int) -> None:
-        self.tokens.append(token)
-        if token in self.stop_token_ids or len(self.tokens) - self.prompt_len >= self.max_new_tokens:
-            self.finished = True
-
-
-@dataclass
-class Batch:
-    """One step's work: decode sequences (one token each), prefill chunks ``(sequence, tokens)``
-    and speculating sequences (their last token and their ``drafts``, verified at once)."""
-
-    decode: list[Sequence] = field(default_factory=list)
-    chunks: list[tuple[Sequence, int]] = field(default_factory=list)
-    verify: list[Sequence] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.decode or self.chunks or self.verify)
-
-    def signature(self) -> tuple:
-        """What the step computes, by output index (tensor-parallel ranks compare it)."""
-        return (tuple(s.index for s in self.decode), tuple((s.index, n) for s, n in self.chunks),
-                tuple((s.index, tuple(s.drafts)) for s in self.verify))
-
-    @property
-    def stepped(self) -> list[Sequence]:
-        """Every sequence whose tokens this step computes."""
-        return self.decode + [seq for seq, _ in self.chunks] + self.verify
 
 
 class Scheduler:
@@ -108,7 +51,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Batch:
-        """Choose the next step's work; rows are claimed here, pages when the runner plans the step."""
+        """Choose the next step's work and reserve its rows and slots (the forward only writes them)."""
         blocks = self.blocks
         decode = [s for s in self.running if s.num_pending == 1]
         needed = {s.index: blocks.pages_needed(s, 1) for s in decode}
@@ -138,8 +81,8 @@ class Scheduler:
         computing = blocks.keys_being_computed(self.running) if self.waiting else set()
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            rows = len(self.running) + sum(s.forks for s in self.running)  # samples still to fork need rows too
-            if rows + 1 + seq.forks > self.max_batch_size:
+            rows = len(self.running) + sum(len(s.siblings) for s in self.running)  # samples to fork need rows too
+            if rows + 1 + len(seq.siblings) > self.max_batch_size:
                 break
             hit, keys = blocks.cached_prefix(seq), blocks.prompt_keys(seq)
             if len(hit) < len(keys) and keys[len(hit)] in computing:
@@ -153,6 +96,7 @@ class Scheduler:
             self.running.append(seq)
             take(seq)
             computing.update(keys[len(hit) :])
+        blocks.reserve(batch)
         return batch
 
     def _speculate(self, batch: Batch, needed: dict[int, int], free: int, spare: int) -> tuple[int, int]:
@@ -180,27 +124,36 @@ class Scheduler:
                 spare -= cost - 1
         return free, spare
 
-    def computed(self, batch: Batch, sampled: list[Sequence]) -> list[tuple[Sequence, int]]:
-        """After a step's forward: its tokens' K/V are in the cache (full pages offered to the
-        prefix cache; a speculating sequence's once its drafts are settled, ``settle``). Returns
-        each sequence that picks a token now with its row of the step's logits (``sampled``'s
-        order); a prompt just finished with ``n`` samples asked for splits into its ``n - 1``
-        siblings here (``forks``), each picking from the same row."""
-        for seq in batch.decode:
-            seq.num_computed += 1
-        for seq, n in batch.chunks:
+    def postprocess(self, batch: Batch, picks: list[Pick]) -> list[StepOutput]:
+        """After a step's forward: its tokens' K/V are in the cache (full pages offered to the prefix
+        cache), a prompt just computed splits off its sibling samples (rows sharing its pages), and
+        each pick's tokens are appended: a sequence they end, or whose pick failed, gives its pages
+        back, and a speculating one's rejected drafts are dropped (``settle``). Returns a record
+        per token and per failure."""
+        for seq, n in batch.new_tokens():
             seq.num_computed += n
-        for seq in batch.verify:
-            seq.num_computed += 1 + len(seq.drafts)
         for seq in batch.decode + [seq for seq, _ in batch.chunks]:
             self.blocks.register(seq)
-        picks = []
-        for row, seq in enumerate(sampled):
-            if seq.forks and not seq.output:
-                picks += [(self.fork(seq, seq.index + j), row) for j in range(1, seq.forks + 1)]
-                seq.forks = 0
-            picks.append((seq, row))
-        return picks
+        for pick in picks:
+            if pick.parent is not None:  # a sibling sample: it picked from its parent's row
+                self.fork(pick.seq, pick.parent)
+                pick.parent.siblings = []
+        records = []
+        for pick in picks:
+            seq = pick.seq
+            for token, logprobs in zip(pick.tokens, pick.logprobs):
+                first = len(seq.tokens) == seq.prompt_len
+                seq.append(token)
+                reason = ("stop" if token in seq.stop_token_ids else "length") if seq.finished else None
+                records.append(StepOutput(seq.index, token, reason, logprobs, seq.cached_tokens if first else None,
+                                          time.perf_counter() - seq.arrival if first else None))
+            if seq.drafts:
+                self.settle(seq, pick.accepted)
+            if pick.error is not None:
+                records.append(StepOutput(seq.index, None, "error", error=pick.error))
+            if seq.finished or pick.error is not None:
+                self.finish(seq)
+        return records
 
     def settle(self, seq: Sequence, accepted: int) -> None:
         """A speculating sequence has appended the tokens it accepted: the K/V of its rejected
@@ -224,14 +177,11 @@ class Scheduler:
             seq.drafts = []
             self.blocks.truncate(seq, seq.num_computed)
 
-    def fork(self, seq: Sequence, index: int) -> Sequence:
-        """A sibling sample of a running sequence sharing all of its pages (copy-on-write)."""
-        child = Sequence(index, list(seq.tokens), seq.prompt_len, seq.max_new_tokens, seq.stop_token_ids,
-                         row=self.blocks.fork(seq), num_computed=seq.num_computed, arrival=seq.arrival,
-                         block_keys=list(seq.block_keys), num_registered=seq.num_registered,
-                         cached_tokens=seq.cached_tokens)
+    def fork(self, child: Sequence, seq: Sequence) -> None:
+        """Start a sibling sample of a running sequence on a row sharing all of its pages (copy-on-write)."""
+        self.blocks.fork(seq, child)
+        child.cached_tokens = seq.cached_tokens
         self.running.append(child)
-        return child
 
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's pages; it waits first in line and is recomputed later."""
@@ -240,14 +190,20 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
-    def abort(self, doomed) -> list[int]:
-        """Drop every waiting or running sequence for which ``doomed(seq)``; returns their indices."""
-        dropped = [s for s in self.waiting if doomed(s)] + [s for s in self.running if doomed(s)]
+    def abort(self, doomed: Callable[[Sequence], bool]) -> list[int]:
+        """Drop every waiting or running sequence, and every sibling sample not yet split off, for
+        which ``doomed(seq)``; returns their indices."""
+        dropped = []
+        for seq in [*self.waiting, *self.running]:
+            dropped += [s for s in seq.siblings if doomed(s)]
+            seq.siblings = [s for s in seq.siblings if not doomed(s)]
+        dropped += [s for s in self.waiting if doomed(s)] + [s for s in self.running if doomed(s)]
         self.waiting = deque(s for s in self.waiting if not doomed(s))
         for seq in [s for s in self.running if doomed(s)]:
             self.finish(seq)
         return [s.index for s in dropped]
 
     def finish(self, seq: Sequence) -> None:
+        """A running sequence ended (or failed): its row and pages go back."""
         self.blocks.free(seq)
         self.running.remove(seq)

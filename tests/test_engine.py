@@ -186,7 +186,7 @@ def test_step_records_carry_each_outputs_first_token_facts_and_end(expected):
         assert rs[0].first_token_seconds > 0 and rs[0].cached_tokens == 0
         assert all(r.first_token_seconds is None and r.cached_tokens is None for r in rs[1:])
         assert [r.finish_reason for r in rs] == [None] * (len(rs) - 1) + ["stop" if tokens[-1] == 2 else "length"]
-    assert engine.runner.sampling == {} and engine.cache.stats().pages_used == 0
+    assert not engine.has_work and engine.queue() == ([], []) and engine.cache.stats().pages_used == 0
     again = engine.add_request(prompts[5], flexpage.SamplingParams(max_new_tokens=1))  # 200 tokens: 12 full pages
     (record,) = engine.step()
     assert (record.index, record.cached_tokens, record.finish_reason) == (again, 192, "length")
