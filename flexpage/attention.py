@@ -89,15 +89,17 @@ def paged_attention(
 
 
 def query_group(query: Tensor, key_pool: Tensor) -> int:
-    """Query heads per KV head to lay along the query axis of one-token rows (``rows_attention``).
+    """Query heads per KV head to lay along the query axis of one-token rows (``rows_attention``):
+    ``head_group``'s, eagerly; 1 while a forward is traced, which must find its masks built
+    (a static step's mask fixes its own group, ``PackedBlockMask.group``)."""
+    return 1 if torch.compiler.is_compiling() else head_group(query.device, query.shape[1], key_pool.shape[1])
 
-    On CPU, eagerly, with grouped-query attention: inductor's FlexAttention template then reads
-    each KV block once per KV head instead of once per query head. Elsewhere 1:
-    the GPU decode kernel groups heads itself, and a compiled forward receives its masks ready.
-    """
-    heads, kv_heads = query.shape[1], key_pool.shape[1]
-    if (not device_policy(query.device).grouped_decode_rows or heads == kv_heads or heads % kv_heads
-            or torch.compiler.is_compiling()):
+
+def head_group(device: torch.device, heads: int, kv_heads: int) -> int:
+    """Query heads per KV head to lay along the query axis of one-token rows: on CPU, with
+    grouped-query attention, inductor's FlexAttention template then reads each KV block once per
+    KV head instead of once per query head. Elsewhere 1: the GPU decode kernel groups heads itself."""
+    if not device_policy(device).grouped_decode_rows or heads == kv_heads or heads % kv_heads:
         return 1
     return heads // kv_heads
 
@@ -244,7 +246,7 @@ def packed_attention(
     if plan.decode_len == decoded == 1 and sdpa_over_pages(query.device, cap, 1):
         outputs.append(sequence_attention(query[:, :, :1], key_pool, value_pool, block_mask.decode_kv(window), scale))
     elif decoded:  # a batch of one-token rows: [1, H, n, D] -> [decode_len, H, 1, D] -> [1, H, n, D]
-        group = query_group(query, key_pool)
+        group = query_group(query, key_pool) if block_mask.group is None else block_mask.group
         mask, score_mod = block_mask.decode_region(window, cap, group)
         rows = F.pad(query[0, :, :decoded].transpose(0, 1), (0, 0, 0, 0, 0, plan.decode_len - decoded))[:, :, None]
         out = rows_attention(rows, key_pool, value_pool, mask, score_mod, scale, group)

@@ -177,12 +177,14 @@ class PagedKVCache(Cache):
         chunk_len: int,
         chunk_block: int = 16,
         pad_decode: bool = False,
+        into: PackedPlan | None = None,
     ) -> PackedPlan:
         """Plan a ragged step over tokens already reserved (``reserve``): each of ``decode_rows``
         feeds its last token, each ``(row, num_tokens)`` chunk its last ``num_tokens``, packed as
-        ``PageTable.plan_packed`` describes."""
+        ``PageTable.plan_packed`` describes (``into``: rewriting a static plan's tensors)."""
         check_packed_layout(len(decode_rows), [n for _, n in chunks], decode_len, chunk_len, chunk_block)
-        self.step = self.page_table.plan_packed(decode_rows, chunks, decode_len, chunk_len, chunk_block, pad_decode)
+        self.step = self.page_table.plan_packed(decode_rows, chunks, decode_len, chunk_len, chunk_block, pad_decode,
+                                                into)
         self._written = set()
         return self.step
 

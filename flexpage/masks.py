@@ -276,13 +276,25 @@ def _build(page_table: PageTable, plan: StepPlan | DecodeRows, mask_mod: MaskMod
            group: int = 1) -> BlockMask:
     """The step's BlockMask; ``group > 1`` (one-token rows only) for a query whose grouped heads
     run along the query axis (``grouped_mask_mod``): same blocks, ``group`` query positions."""
+    paged_mask = paged_mask_mod(page_table, plan, mask_mod)
+    return BlockMask.from_kv_blocks(
+        *_metadata(page_table, plan, mask_mod, q_block_size, group),
+        BLOCK_SIZE=(q_block_size, page_table.page_size),
+        mask_mod=paged_mask if group == 1 else grouped_mask_mod(paged_mask, group),
+        seq_lengths=(plan.q_len * group, (page_table.num_pages + 1) * page_table.page_size),
+        compute_q_blocks=False,
+    )
+
+
+def _metadata(page_table: PageTable, plan: StepPlan | DecodeRows, mask_mod: MaskMod | None, q_block_size: int,
+              group: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The step's ``kv_num_blocks``, ``kv_indices`` and their full-block twins (``_block_metadata``)."""
     # one-token rows on CPU take inductor's decoding template, which needs rows listing equal
     # block counts (``_block_metadata``); grouped rows (a query per head of the group) take the
     # attention template, which walks each row's own blocks, so they list exactly their pages
     uniform = (plan.q_len == 1 and group == 1 and device_policy(page_table.device).uniform_decode_rows
                and len(plan.rows) > 1)
-    paged_mask = paged_mask_mod(page_table, plan, mask_mod)
-    kv_num, kv_indices, full_num, full_indices = _block_metadata(
+    return _block_metadata(
         page_table.table,
         plan.rows,
         plan.q_start,
@@ -295,16 +307,6 @@ def _build(page_table: PageTable, plan: StepPlan | DecodeRows, mask_mod: MaskMod
         prune_causal=getattr(causal if mask_mod is None else mask_mod, "within_causal", False),
         full_causal=mask_mod is None,
         uniform=uniform,
-    )
-    return BlockMask.from_kv_blocks(
-        kv_num,
-        kv_indices,
-        full_num,
-        full_indices,
-        BLOCK_SIZE=(q_block_size, page_table.page_size),
-        mask_mod=paged_mask if group == 1 else grouped_mask_mod(paged_mask, group),
-        seq_lengths=(plan.q_len * group, (page_table.num_pages + 1) * page_table.page_size),
-        compute_q_blocks=False,
     )
 
 
@@ -403,6 +405,7 @@ class PackedBlockMask(_StepMask):
     """
 
     plan: PackedPlan
+    group: int | None = None  # the decode rows' query heads per KV head, where the mask fixes it (static steps)
 
     @classmethod
     def for_step(cls, page_table: PageTable, plan: PackedPlan) -> "PackedBlockMask":
@@ -466,6 +469,52 @@ class PackedBlockMask(_StepMask):
         call per chunk."""
         return self._variant(("chunk_kvs", window), lambda: [
             SequenceKV.for_row(self.page_table, row, window, num_tokens) for row, num_tokens in self.plan.chunks])
+
+
+class StaticDecodeMask(PackedBlockMask):
+    """The mask of one decode bucket's compiled step, over a static plan (``PageTable.static_plan``):
+    its decode rows and every layer variant's block metadata are tensors built once and rewritten
+    in place by ``refresh`` each step, so the compiled step reads the same tensors every time (what
+    a captured graph replays). Its rows carry ``group`` query heads per KV head (``head_group``)."""
+
+    @classmethod
+    def over(cls, page_table: PageTable, plan: PackedPlan, variants: set[tuple[int | None, float | None]],
+             group: int) -> "StaticDecodeMask":
+        """The mask of the static ``plan``, with the decode region of each ``(window, cap)`` built."""
+        mask = cls.for_step(page_table, plan)
+        mask.group = group
+        mask._variants[("decode_rows",)] = DecodeRows(plan.tok_rows, plan.tok_pos.clamp_min(0), plan.tok_pos + 1)
+        for window, cap in variants:
+            mask.decode_region(window, cap, group)
+        return mask
+
+    def tensors(self) -> list[Tensor]:
+        """Every tensor of the mask that ``refresh`` rewrites: the decode rows' and each variant's
+        block metadata (the step reads them where they are: their addresses never change)."""
+        rows = self._variants[("decode_rows",)]
+        held = [rows.q_start, rows.kv_lens]
+        for key, value in self._variants.items():
+            if key[0] == "decode":
+                block_mask = value[0]
+                held += [block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+                         block_mask.full_kv_indices]
+        return held
+
+    def refresh(self) -> None:
+        """Rewrite the decode rows and every variant's block metadata from the plan's tensors (written
+        for this step by ``PageTable.plan_packed``) and the page table."""
+        rows = self._variants[("decode_rows",)]
+        torch.clamp(self.plan.tok_pos, min=0, out=rows.q_start)  # padding rows (position -1) see nothing
+        torch.add(self.plan.tok_pos, 1, out=rows.kv_lens)
+        for key, value in self._variants.items():
+            if key[0] == "decode":
+                _, window, _, group = key
+                block_mask = value[0]
+                fresh = _metadata(self.page_table, rows, None if window is None else sliding_window(window),
+                                  Q_BLOCK_SIZE, group)
+                for held, new in zip((block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+                                      block_mask.full_kv_indices), fresh):
+                    held.copy_(new)
 
 
 def _region_mask(page_table: PageTable, plan: PackedPlan, start: int, end: int, q_block: int,

@@ -26,7 +26,8 @@ from .block_manager import BlockManager
 from .cache import PagedKVCache
 from .errors import OutOfPagesError, StepFailedError
 from .policy import device_policy
-from .masks import PackedBlockMask
+from .masks import PackedBlockMask, StaticDecodeMask
+from .pages import PackedPlan, PageTable
 from .host import cdiv, host_tensor
 from .penalties import adjust_logits
 from .requests import TokenLogprobs
@@ -53,6 +54,29 @@ class StepResult:
     verifications: int = 0  # sequences that verified drafts
     drafted: int = 0  # drafts they verified
     accepted: int = 0  # drafts kept
+
+
+@dataclass(frozen=True)
+class StaticDecode:
+    """One compiled decode bucket's step inputs, tensors that every step of the bucket rewrites in
+    place: the token ids, the plan (positions, slots, rows; ``PageTable.static_plan``) and the mask
+    (decode rows and block metadata; ``StaticDecodeMask``). The compiled forward reads only these."""
+
+    input_ids: torch.Tensor  # [1, decode_len]
+    plan: PackedPlan
+    mask: StaticDecodeMask
+
+    @classmethod
+    def build(cls, page_table: PageTable, decode_len: int, variants: set[tuple[int | None, float | None]],
+              group: int) -> "StaticDecode":
+        plan = page_table.static_plan(decode_len)
+        input_ids = torch.zeros(1, decode_len, dtype=torch.int64, device=page_table.device)
+        return cls(input_ids, plan, StaticDecodeMask.over(page_table, plan, variants, group))
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor a step writes in place and the compiled forward reads."""
+        plan = self.plan
+        return [self.input_ids, plan.slots, plan.tok_rows, plan.tok_pos, plan.position_ids, *self.mask.tensors()]
 
 
 class ModelRunner:
@@ -84,6 +108,10 @@ class ModelRunner:
         self.compiled = (torch.compile(model, dynamic=False, fullgraph=False, options={"freezing": True})
                          if self.compiled_buckets else None)
         self.variants: set[tuple[int | None, float | None]] = set()  # layers' (window, cap), seen eagerly
+        # static steps keep a query head per row: inductor's template for grouped rows inside a whole
+        # compiled forward computed wrong attention for one row (torch 2.13), so it is not used there
+        self.group = 1
+        self.static: dict[int, StaticDecode] = {}  # each compiled bucket's persistent step inputs
         self.compiled_steps = 0  # steps that ran the compiled forward
 
     # ------------------------------------------------------------------ a step
@@ -94,7 +122,7 @@ class ModelRunner:
         logits, sampled, verify_rows, decode_len, chunk_len, seconds = self._forward(batch)
         picks = []
         asks = []
-        for seq, row in sampled:  # a prompt just computed: its sibling samples pick from its row too
+        for row, seq in sampled:  # a prompt just computed: its sibling samples pick from its row too
             for sibling in seq.siblings if not seq.output else ():
                 picks.append(Pick(sibling, parent=seq))
                 asks.append((sibling, row, sibling.tokens))
@@ -138,22 +166,27 @@ class ModelRunner:
         result.drafted = sum(len(seq.drafts) for seq in verify)
         result.accepted = sum(pick.accepted for pick in result.picks[-len(verify):])
 
-    def _forward(self, batch: Batch) -> tuple[torch.Tensor, list[tuple[Sequence, int]], list[int], int, int, float]:
+    def _forward(self, batch: Batch) -> tuple[torch.Tensor, list[tuple[int, Sequence]], list[int], int, int, float]:
         """One forward over the batch, packed: the decode tokens, then each prefill chunk (aligned to
-        the chunk block), then each speculating sequence's last token and drafts. Returns the logits
-        kept, each sampling sequence with its row of them, each speculating sequence's first row,
-        the regions' sizes and the seconds the model took."""
+        the chunk block), then each speculating sequence's last token and drafts; a decode-only step
+        of a compiled bucket is its static step. Returns the logits kept, each sampling sequence
+        after its row of them, each speculating sequence's first row, the regions' sizes and the
+        seconds the model took."""
         decode_len = self.decode_len(len(batch.decode))
         block = self.chunk_block
         # speculating sequences are chunks of the chunk region: their last token and their drafts
         chunks = batch.chunks + [(seq, 1 + len(seq.drafts)) for seq in batch.verify]
         aligned = sum(cdiv(n, block) * block for _, n in chunks)
         chunk_len = aligned if self.sdpa or not aligned else _bucket(aligned, MIN_CHUNK_REGION)  # buckets: graphs
-        compiled = decode_len in self.compiled_buckets and not chunks and bool(self.variants)
+        ids = [seq.tokens[-1] for seq in batch.decode]
+        if decode_len in self.compiled_buckets and not chunks and self.variants:
+            try:
+                logits, seconds = self._static_step([seq.row for seq in batch.decode], ids, decode_len)
+            except Exception as error:  # the step's tokens were never computed (the scheduler rolls them back)
+                raise StepFailedError([seq.index for seq in batch.stepped], error) from error
+            return logits[: len(ids)], list(enumerate(batch.decode)), [], decode_len, 0, seconds
         plan = self.cache.plan_packed_step(
-            [s.row for s in batch.decode], [(s.row, n) for s, n in chunks], decode_len, chunk_len, block, compiled
-        )
-        ids = [seq.tokens[-1] for seq in batch.decode]  # eager: attention pads its rows; compiled: padded below
+            [s.row for s in batch.decode], [(s.row, n) for s, n in chunks], decode_len, chunk_len, block)
         keep, sampled = list(range(len(batch.decode))), list(batch.decode)  # positions whose logits pick a token
         for seq, n in batch.chunks:
             span = cdiv(n, block) * block
@@ -168,35 +201,49 @@ class ModelRunner:
             keep += range(len(ids), len(ids) + n)
             ids += [seq.tokens[-1], *seq.drafts] + [0] * (cdiv(n, block) * block - n)
         ids += [0] * (plan.q_len - len(ids))
-        if compiled:  # every padded row's logits (static shapes), the real ones kept
-            keep = list(range(plan.q_len))
         try:
-            logits, seconds = self._logits(ids, plan, keep, compiled)
-            logits = logits[: len(batch.decode)] if compiled else logits
+            logits, seconds = self._logits(ids, plan, keep)
         except Exception as error:  # the step's tokens were never computed (the scheduler rolls them back)
             raise StepFailedError([seq.index for seq in batch.stepped], error) from error
-        return logits, [(seq, row) for row, seq in enumerate(sampled)], verify_rows, decode_len, chunk_len, seconds
+        return logits, list(enumerate(sampled)), verify_rows, decode_len, chunk_len, seconds
 
-    def _logits(self, ids: list[int], plan, keep: list[int], compiled: bool = False) -> tuple[torch.Tensor, float]:
-        """One forward over a packed step (``compiled``: the compiled decode forward): the logits of
-        the ``keep`` positions, and the seconds the model itself took (inputs and mask are host work)."""
+    def _logits(self, ids: list[int], plan: PackedPlan, keep: list[int]) -> tuple[torch.Tensor, float]:
+        """One eager forward over a packed step: the logits of the ``keep`` positions, and the
+        seconds the model itself took (inputs and mask are host work)."""
         device = self.device
         mask = PackedBlockMask.for_step(self.cache.page_table, plan)
         inputs = dict(
             input_ids=host_tensor(ids, device).view(1, -1),
             position_ids=plan.position_ids,  # the plan's tensors are on the cache's device already
-            attention_mask=mask.prepare(self.variants) if compiled else mask,
+            attention_mask=mask,
             use_cache=True,
             # every position's logits (0) when all are kept: a pure decode step builds no index tensor
             logits_to_keep=0 if len(keep) == len(ids) else host_tensor(keep, device),
         )
         start = time.perf_counter()
-        logits = (self.compiled if compiled else self.model)(**inputs, **{self.cache_argument: self.cache}).logits[0]
+        logits = self.model(**inputs, **{self.cache_argument: self.cache}).logits[0]
         seconds = time.perf_counter() - start
         if self.compiled is not None and not self.variants and plan.decode_len > 1 and not plan.chunks:
-            self.variants = mask.decode_variants()  # what a compiled step must build first: every layer's, once
-        self.compiled_steps += compiled
+            self.variants = mask.decode_variants()  # what a static step must build first: every layer's, once
         return logits, seconds
+
+    def _static_step(self, rows: list[int], ids: list[int], decode_len: int) -> tuple[torch.Tensor, float]:
+        """A decode-only step of a compiled bucket: the step's inputs written into the bucket's
+        persistent tensors (``StaticDecode``), then the compiled forward over them; returns every
+        row's logits (the padding rows' too) and the seconds the model took."""
+        static = self.static.get(decode_len)
+        if static is None:
+            static = self.static[decode_len] = StaticDecode.build(self.cache.page_table, decode_len, self.variants,
+                                                                  self.group)
+        self.cache.plan_packed_step(rows, [], decode_len, 0, self.chunk_block, pad_decode=True, into=static.plan)
+        static.input_ids.view(-1).copy_(host_tensor(ids + [0] * (decode_len - len(ids)), self.device))
+        static.mask.refresh()
+        start = time.perf_counter()
+        logits = self.compiled(input_ids=static.input_ids, position_ids=static.plan.position_ids,
+                               attention_mask=static.mask, use_cache=True, logits_to_keep=0,
+                               **{self.cache_argument: self.cache}).logits[0]
+        self.compiled_steps += 1
+        return logits, time.perf_counter() - start
 
     def pick(self, logits: torch.Tensor, asks: list[tuple[Sequence, int, list[int]]]
              ) -> tuple[list[int | None], dict[int, TokenLogprobs], dict[int, str]]:
@@ -330,9 +377,7 @@ class ModelRunner:
             batch = Batch([_scratch(1) for _ in range(min(decode_len, self.max_batch_size))])
             try:
                 with _scratch_rows(blocks, batch):
-                    plan = self.cache.plan_packed_step([s.row for s in batch.decode], [], decode_len, 0,
-                                                       self.chunk_block, True)
-                    self._logits([0] * plan.q_len, plan, list(range(plan.q_len)), compiled=True)
+                    self._static_step([seq.row for seq in batch.decode], [0] * len(batch.decode), decode_len)
                     self.compiled_steps -= 1  # warm-up is not serving
             except Exception as error:  # noqa: BLE001 - this bucket's steps run eager instead
                 if self.compile_decode:  # asked for explicitly: say why it cannot be had

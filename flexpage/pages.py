@@ -394,8 +394,20 @@ class PageTable:
         self.page_keys.clear()
         self.key_pages.clear()
 
+    def static_plan(self, decode_len: int) -> PackedPlan:
+        """The plan of a decode-only step of ``decode_len`` rows whose tensors are written in place
+        by every such step (``plan_packed(..., into=)``): one per compiled bucket. Its rows live in
+        its tensors only (``decode_rows`` is empty); all of them are fed, padding to the sink page."""
+        def ints(value: int) -> torch.Tensor:
+            return torch.full((decode_len,), value, dtype=torch.int64, device=self.device)
+
+        return PackedPlan(slots=ints(self.sink_slot).view(1, decode_len), tok_rows=ints(0), tok_pos=ints(-1),
+                          position_ids=ints(0).view(1, decode_len), decode_rows=(), chunks=(), decode_len=decode_len,
+                          chunk_block=1, q_len=decode_len, decode_tokens=decode_len)
+
     def plan_packed(self, decode_rows: Sequence[int], chunks: Sequence[tuple[int, int]], decode_len: int,
-                    chunk_len: int, chunk_block: int, pad_decode: bool = False) -> PackedPlan:
+                    chunk_len: int, chunk_block: int, pad_decode: bool = False,
+                    into: PackedPlan | None = None) -> PackedPlan:
         """Describe a ragged step whose tokens were just added by ``extend``, in a layout the caller
         checked with ``check_packed_layout`` before extending (``PagedKVCache.begin_packed_step``).
 
@@ -403,7 +415,8 @@ class PageTable:
         chunks ending at the row's last token. The decode tokens are attended as ``decode_len``
         one-token rows, the chunk region is ``chunk_len`` positions (both bucketed by the caller,
         so compiled shapes repeat); with ``pad_decode`` the packed row holds all ``decode_len``
-        decode positions, the padding ones written to the sink page.
+        decode positions, the padding ones written to the sink page. ``into``: a ``static_plan`` of
+        ``decode_len`` for a padded decode-only step, whose tensors are rewritten and which is returned.
         """
         decode_tokens = decode_len if pad_decode else len(decode_rows)
         q_len, lens = decode_tokens + chunk_len, self.seq_lens
@@ -420,6 +433,12 @@ class PageTable:
         slots = [seq_pages[r][p // page_size] * page_size + p % page_size if p >= 0 else sink
                  for r, p in zip(rows, positions)]
         fields = (slots, rows, positions, [max(p, 0) for p in positions])
+        if into is not None:
+            if chunks or not pad_decode or into.q_len != q_len:
+                raise ValueError(f"a static plan of {into.q_len} rows takes a padded decode-only step of as many")
+            for held, values in zip((into.slots, into.tok_rows, into.tok_pos, into.position_ids), fields):
+                held.view(-1).copy_(self._tensor(values))
+            return into
         if device_policy(self.device).zero_copy_host_ints:  # a tensor over each field's ints: fewer ops than views of one
             slots_t, rows_t, pos_t, ids_t = (self._tensor(values) for values in fields)
         else:  # one host-to-device copy

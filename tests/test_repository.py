@@ -124,3 +124,42 @@ def test_docs_quote_only_files_that_exist():
     quoted = {m for page in (ROOT / "docs").rglob("*.md") if "results" not in page.relative_to(ROOT / "docs").parts
               for m in re.findall(pattern, page.read_text())}
     assert quoted and not sorted(p for p in quoted if not (ROOT / p).exists())
+
+
+def test_modules_import_each_other_without_a_cycle():
+    """flexpage's modules form layers: no chain of module-level imports (``TYPE_CHECKING`` ones
+    included) leads from a module back to itself. An import inside a function (``DraftModel``
+    building an ``Engine``) is a use at run time, not a layer, and is not counted."""
+    import ast
+
+    package = ROOT / "flexpage"
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts): p for p in package.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        base = name.split(".")[:-1]  # the module's package ("flexpage.__init__" included)
+        edges = set()
+        for node in ast.parse(path.read_text()).body:
+            imports = [node] if isinstance(node, ast.ImportFrom) else []
+            if isinstance(node, ast.If):  # if TYPE_CHECKING: ...
+                imports = [n for n in node.body if isinstance(n, ast.ImportFrom)]
+            for imp in imports:
+                if not imp.level:
+                    continue
+                target = ".".join(base[: len(base) - imp.level + 1] + ([imp.module] if imp.module else []))
+                for alias in imp.names:
+                    sub = f"{target}.{alias.name}"
+                    edges.add(sub if sub in modules else target if target in modules else f"{target}.__init__")
+        graph[name] = {e for e in edges if e in modules and not e.endswith("__init__") and e != "flexpage"}
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            assert state.get(nxt) != 1, f"import cycle: {' -> '.join(path + [nxt])}"
+            if nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for name in sorted(graph):
+        if not name.endswith("__init__") and name not in state:
+            visit(name, [name])
