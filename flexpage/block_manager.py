@@ -63,8 +63,11 @@ class BlockManager:
         """The most of ``num_tokens`` more tokens a running sequence can take within ``free_pages``."""
         if self.pages_needed(seq, num_tokens) <= free_pages:
             return num_tokens
-        n = min(num_tokens, self._pages.room(seq.row, free_pages))
-        return n if n > 0 and self.pages_needed(seq, n) <= free_pages else 0
+        for pages in (free_pages, free_pages - 1):  # a shared partial last page takes one for its copy
+            n = min(num_tokens, self._pages.room(seq.row, pages))
+            if n > 0 and self.pages_needed(seq, n) <= free_pages:
+                return n
+        return 0
 
     def admission_pages(self, seq: Sequence, hit: list[int]) -> int:
         """Pages admitting a waiting sequence takes from the free pool, all its tokens counted,

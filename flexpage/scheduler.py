@@ -192,15 +192,22 @@ class Scheduler:
 
     def abort(self, doomed: Callable[[Sequence], bool]) -> list[int]:
         """Drop every waiting or running sequence, and every sibling sample not yet split off, for
-        which ``doomed(seq)``; returns their indices."""
-        dropped = []
+        which ``doomed(seq)``; returns their indices. The sibling samples of a dropped sequence not yet
+        split off go on without it: the first takes its place in the queue (first in line, to be computed
+        again, if it was running) with the others as its siblings."""
+        dropped, heirs = [], {}
         for seq in [*self.waiting, *self.running]:
             dropped += [s for s in seq.siblings if doomed(s)]
             seq.siblings = [s for s in seq.siblings if not doomed(s)]
-        dropped += [s for s in self.waiting if doomed(s)] + [s for s in self.running if doomed(s)]
-        self.waiting = deque(s for s in self.waiting if not doomed(s))
-        for seq in [s for s in self.running if doomed(s)]:
+            if doomed(seq) and seq.siblings:
+                heir = heirs[seq] = seq.siblings[0]
+                heir.siblings, seq.siblings = seq.siblings[1:], []
+        stopped = [s for s in self.running if doomed(s)]
+        dropped += [s for s in self.waiting if doomed(s)] + stopped
+        self.waiting = deque(heirs.get(s, s) for s in self.waiting if not doomed(s) or s in heirs)
+        for seq in stopped:
             self.finish(seq)
+        self.waiting.extendleft(reversed([heirs[s] for s in stopped if s in heirs]))  # first in line, as if preempted
         return [s.index for s in dropped]
 
     def finish(self, seq: Sequence) -> None:

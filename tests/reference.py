@@ -1,6 +1,7 @@
 """Shared test helpers: fill a paged cache from contiguous tensors, reference attention, stock
 ``generate()`` (greedy, with the logit penalties and bias a request may ask for, and the
-distribution its sampling warpers leave), and the tiny Engine the engine tests share."""
+distribution its sampling warpers leave), the tiny Engine the engine tests share, and a model-free
+BlockManager with a snapshot of its page table for the scheduler's unit tests."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 import flexpage
 from flexpage import mods, zoo
+from flexpage.block_manager import BlockManager
 from flexpage.sampling import sample_tokens
 
 GARBAGE = 1e4  # what unwritten slots hold: any read of one shows up as a huge error
@@ -130,6 +132,22 @@ def workload(lengths=LENGTHS, seed=0):
 def stock_greedy(model, prompt, new_tokens):
     out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     return out[0, len(prompt) :].tolist()
+
+
+def make_blocks(num_pages=16, max_batch_size=4, prefix_caching=True):
+    """A BlockManager over a one-layer pool of 16-token pages: scheduling needs no model."""
+    cache = flexpage.PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=16, page_size=16, num_pages=num_pages,
+                                  max_batch_size=max_batch_size)
+    return BlockManager(cache, prefix_caching)
+
+
+def page_state(blocks):
+    """What reserving, rolling back or warming up may change in the page table (the free list's order aside)."""
+    pt = blocks.cache.page_table
+    return dict(lens=list(pt.seq_lens), pages=[None if p is None else list(p) for p in pt.seq_pages],
+                refs=list(pt.ref_counts), free=sorted(pt.free_pages), cached=list(pt.cached_pages),
+                keys=dict(pt.key_pages), live=pt.live_tokens, table=pt.table.tolist(), mirror=pt.lens.tolist(),
+                logical=pt.page_logical.tolist())
 
 
 def make_engine(arch="llama", **kwargs):
