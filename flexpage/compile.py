@@ -12,7 +12,15 @@ dynamo: a Python number a mod reads from a *global* (not its closure) is baked i
 unguarded, so mods keep their settings in closures, as every mod in ``masks`` does.
 
 Where ``aot_compile`` is missing (older torch) or fails, the function runs under ordinary
-``torch.compile`` (one graph per shape, dynamo's guards), with a raised recompile limit.
+``torch.compile`` (one graph per shape, dynamo's guards), with a raised recompile limit, or under
+the ``fallback`` the caller gives.
+
+A function whose arguments include objects a signature can't describe (a model, a cache, a
+step's mask) is called through ``StaticCompiled.keyed(key, ...)``: the caller names, in ``key``,
+everything the graph may specialise on (shapes, buckets, the model's architecture), and the
+graph reads the arguments' tensors afresh at each call, as dynamo's generated code does (the
+Engine's compiled decode forward: ``model_runner``). Saved graphs keep no guards: flexpage never
+evaluates them, the signature or key stands in for them.
 """
 
 from __future__ import annotations
@@ -95,8 +103,15 @@ def _portable(sig: Any) -> str:
 
 @functools.cache
 def _code_version() -> str:
-    """torch's version and a hash of flexpage's sources: a saved graph from other code is not used."""
-    digest = hashlib.sha256(torch.__version__.encode())
+    """torch's and transformers' versions and a hash of flexpage's sources: a saved graph from
+    other code is not used (a compiled model forward holds transformers' modelling code)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        transformers = version("transformers")
+    except PackageNotFoundError:
+        transformers = "-"
+    digest = hashlib.sha256(f"{torch.__version__}|{transformers}".encode())
     for path in sorted(Path(__file__).parent.rglob("*.py")):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
@@ -107,6 +122,12 @@ def artifact_dir() -> Path:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return Path(cache_dir()) / "flexpage"
+
+
+def _no_guards(entries: list) -> list[bool]:
+    """Keep no guard with a saved graph (the signature or key stands in for them): some can't be
+    serialised at all (a transformers model's locally defined classes), and none is evaluated."""
+    return [False] * len(entries)
 
 
 def _load(path: Path) -> Callable:
@@ -133,12 +154,15 @@ class StaticCompiled(Generic[F]):
     it holds); ``loaded`` those that came from disk.
     """
 
-    def __init__(self, fn: F) -> None:
+    def __init__(self, fn: F, fallback: Callable | None = None) -> None:
         functools.update_wrapper(self, fn)
         self.fn = fn
         limit = {"recompile_limit": RECOMPILE_LIMIT} if _PER_FUNCTION else {}
-        self.dynamo = torch.compile(fn, dynamic=False, fullgraph=True, **limit)
-        self.aot = hasattr(self.dynamo, "aot_compile") and hasattr(torch.compiler, "load_compiled_function")
+        # calls that can't be compiled ahead of time: ``fallback``, else dynamo with its guards
+        self.dynamo = fallback or torch.compile(fn, dynamic=False, fullgraph=True, **limit)
+        self._aot_compiler = torch.compile(fn, dynamic=False, fullgraph=True, options={"guard_filter_fn": _no_guards})
+        self.aot = (hasattr(self._aot_compiler, "aot_compile")
+                    and hasattr(torch.compiler, "load_compiled_function"))
         self._graphs: dict[Any, Callable] = {}
         self._lock = threading.Lock()
         self._memo: dict[int, tuple[Any, int]] = {}  # id -> (object, its interned signature)
@@ -162,6 +186,26 @@ class StaticCompiled(Generic[F]):
                 self._graphs[key] = graph
         return graph(*args, **kwargs)
 
+    def keyed(self, key: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` through the graph for ``key``, compiled or loaded on first use.
+
+        For arguments a signature can't describe (``Unsupported``): ``key`` must hold everything
+        the traced code specialises on, as plain values and tuples of them whose ``repr`` is the
+        same in every process (it names the saved graph). The graph reads the arguments' tensors,
+        and the attributes of objects among them, at each call; a Python value it read while
+        tracing and that ``key`` leaves out is baked in. Grad modes are added to the key."""
+        if torch.compiler.is_compiling():
+            return self.fn(*args, **kwargs)
+        if not self.aot or os.environ.get(AOT_ENV) == "0":
+            return self.dynamo(*args, **kwargs)
+        full = ("K", key, *_global_state())
+        graph = self._graphs.get(full)
+        if graph is None:
+            with self._lock:
+                graph = self._graphs.get(full) or self._compile(args, kwargs, _portable(full))
+                self._graphs[full] = graph
+        return graph(*args, **kwargs)
+
     def _signature(self, value: Any) -> Any:
         """``signature(value)``, fast for what repeats: a step passes the same mask and mods to
         every layer, so their (deep) signatures are memoised by identity, as small integers
@@ -178,10 +222,13 @@ class StaticCompiled(Generic[F]):
             memo = self._memo[id(value)] = (value, self._interned.setdefault(sig, len(self._interned)))
         return memo[1]
 
-    def _compile(self, args: tuple, kwargs: dict) -> Callable:
+    def _compile(self, args: tuple, kwargs: dict, described: str | None = None) -> Callable:
+        """The graph for these arguments, loaded from disk or compiled (and saved); ``described``
+        is their portable description (``keyed``), else it comes from their signature."""
         name = f"{self.fn.__module__}.{self.fn.__qualname__}"
-        full = (signature(args), signature(kwargs), *_global_state())
-        digest = hashlib.sha256(f"{_code_version()}|{name}|{_portable(full)}".encode()).hexdigest()[:24]
+        if described is None:
+            described = _portable((signature(args), signature(kwargs), *_global_state()))
+        digest = hashlib.sha256(f"{_code_version()}|{name}|{described}".encode()).hexdigest()[:24]
         path = artifact_dir() / f"{self.fn.__qualname__}-{digest}.bin"
         self.graphs += 1
         if path.exists():
@@ -192,7 +239,7 @@ class StaticCompiled(Generic[F]):
             except Exception as error:  # stale or unreadable: compile it again
                 log.warning("flexpage: recompiling %s (%s: %s)", path.name, type(error).__name__, error)
         try:
-            compiled = self.dynamo.aot_compile((args, kwargs))
+            compiled = self._aot_compiler.aot_compile((args, kwargs))
         except Exception as error:
             log.warning("flexpage: %s compiles through dynamo (aot_compile failed: %s: %s)",
                         name, type(error).__name__, error)
@@ -209,9 +256,10 @@ class StaticCompiled(Generic[F]):
 _REGISTRY: list[StaticCompiled] = []
 
 
-def compile_static(fn: F) -> StaticCompiled[F]:
-    """``fn`` compiled whole with static shapes, one graph per argument signature (see module doc)."""
-    compiled = StaticCompiled(fn)
+def compile_static(fn: F, fallback: Callable | None = None) -> StaticCompiled[F]:
+    """``fn`` compiled whole with static shapes, one graph per argument signature or caller's key
+    (see module doc); ``fallback`` runs calls that can't be compiled ahead of time."""
+    compiled = StaticCompiled(fn, fallback)
     _REGISTRY.append(compiled)
     return compiled
 

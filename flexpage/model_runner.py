@@ -11,6 +11,8 @@ and graph-captured steps belong here.
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import logging
 import time
 from contextlib import contextmanager
@@ -24,6 +26,7 @@ from transformers import PreTrainedModel
 from .attention import sdpa_over_pages
 from .block_manager import BlockManager
 from .cache import PagedKVCache
+from .compile import compile_static
 from .errors import OutOfPagesError, StepFailedError
 from .policy import device_policy
 from .masks import PackedBlockMask, StaticDecodeMask
@@ -105,8 +108,10 @@ class ModelRunner:
         self.compile_decode = compile_decode
         self.compiled_buckets = (buckets if compile_decode else set() if compile_decode is False or not alone
                                  else buckets & set(device_policy(self.device).compiled_decode_buckets))
-        self.compiled = (torch.compile(model, dynamic=False, fullgraph=False, options={"freezing": True})
-                         if self.compiled_buckets else None)
+        # one graph per decode bucket, compiled ahead of time and saved (``compile.StaticCompiled``):
+        # a later process loads it in about a second instead of tracing the forward again
+        self.compiled = _compiled_decode_forward if self.compiled_buckets else None
+        self._compiled_key = _model_key(model, cache) if self.compiled_buckets else None
         self.variants: set[tuple[int | None, float | None]] = set()  # layers' (window, cap), seen eagerly
         # static steps keep a query head per row: inductor's template for grouped rows inside a whole
         # compiled forward computed wrong attention for one row (torch 2.13), so it is not used there
@@ -220,8 +225,9 @@ class ModelRunner:
             # every position's logits (0) when all are kept: a pure decode step builds no index tensor
             logits_to_keep=0 if len(keep) == len(ids) else host_tensor(keep, device),
         )
+        inputs[self.cache_argument] = self.cache
         start = time.perf_counter()
-        logits = self.model(**inputs, **{self.cache_argument: self.cache}).logits[0]
+        logits = self.model(**inputs).logits[0]
         seconds = time.perf_counter() - start
         if self.compiled is not None and not self.variants and plan.decode_len > 1 and not plan.chunks:
             self.variants = mask.decode_variants()  # what a static step must build first: every layer's, once
@@ -238,10 +244,12 @@ class ModelRunner:
         self.cache.plan_packed_step(rows, [], decode_len, 0, self.chunk_block, pad_decode=True, into=static.plan)
         static.input_ids.view(-1).copy_(host_tensor(ids + [0] * (decode_len - len(ids)), self.device))
         static.mask.refresh()
+        inputs = dict(input_ids=static.input_ids, position_ids=static.plan.position_ids, attention_mask=static.mask,
+                      use_cache=True, logits_to_keep=0, **{self.cache_argument: self.cache})
+        # the bucket's graph: what it specialises on besides the model's key is the bucket and the variants
+        key = (self._compiled_key, decode_len, self.group, tuple(sorted(self.variants, key=repr)))
         start = time.perf_counter()
-        logits = self.compiled(input_ids=static.input_ids, position_ids=static.plan.position_ids,
-                               attention_mask=static.mask, use_cache=True, logits_to_keep=0,
-                               **{self.cache_argument: self.cache}).logits[0]
+        logits = self.compiled.keyed(key, self.model, inputs)[0]
         self.compiled_steps += 1
         return logits, time.perf_counter() - start
 
@@ -385,6 +393,32 @@ class ModelRunner:
                 self.compiled_buckets.discard(decode_len)
                 log.warning("decode bucket %d runs eager: compiling its forward failed (%s)", decode_len, error)
         return time.perf_counter() - start
+
+
+def _decode_forward(model: PreTrainedModel, inputs: dict) -> torch.Tensor:
+    """A compiled decode step: the logits of every fed position (``inputs`` are the forward's
+    keyword arguments: token ids, positions, the step's prepared mask, the cache)."""
+    return model(**inputs).logits
+
+
+# Where a graph can't be compiled ahead of time (older torch, or aot_compile fails): dynamo, as
+# before, with inductor's freezing (the weights folded into the graph as constants).
+_compiled_decode_forward = compile_static(_decode_forward, fallback=torch.compile(
+    _decode_forward, dynamic=False, fullgraph=False, options={"freezing": True}))
+
+
+def _model_key(model: PreTrainedModel, cache: PagedKVCache) -> str:
+    """What a compiled decode forward specialises on besides its bucket: the model's class,
+    config and weights' shapes (not their values: the graph reads them at each call), and the
+    pools' and page table's shapes. A later process with the same gets the saved graphs."""
+    tensors = itertools.chain(model.named_parameters(), model.named_buffers(),
+                              ((f"pool{i}", layer.keys) for i, layer in enumerate(cache.layers)),
+                              ((name, value) for name, value in sorted(vars(cache.page_table).items())
+                               if isinstance(value, torch.Tensor)))
+    shapes = [(name, tuple(t.shape), str(t.dtype), t.device.type) for name, t in tensors]
+    text = "|".join(map(str, (type(model).__module__, type(model).__qualname__, model.config.to_json_string(),
+                              getattr(model.config, "_attn_implementation", None), cache.page_size, shapes)))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _scratch(num_tokens: int) -> Sequence:

@@ -3,7 +3,12 @@ generate(), with continuous batching, ragged steps, chunked prefill and preempti
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -422,3 +427,42 @@ def test_compiled_decode_steps_match_stock_and_compile_nothing_after_warmup(arch
     assert engine.stats().compiled_steps > 0
     # the compiled steps read their inputs where warm-up put them: written in place, never reallocated
     assert {n: [t.data_ptr() for t in static.tensors()] for n, static in engine.runner.static.items()} == addresses
+
+
+@pytest.mark.slow  # subprocesses
+def test_compiled_decode_graphs_read_the_weights_at_each_call_and_load_in_a_later_process(tmp_path):
+    """The compiled decode forward is one graph per bucket compiled ahead of time and saved
+    (``compile.StaticCompiled.keyed``): keyed by the model's architecture and shapes, not its
+    weights, so a model of other weights reuses it and still gets its own tokens, and a later
+    process loads it from disk instead of tracing the forward (a warm start in seconds)."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path), PYTHONPATH=str(Path(__file__).parent))
+    child = r"""
+import json, sys
+from flexpage import zoo
+from flexpage.compile import graph_counts
+from flexpage.bench.measure import compiled_graphs
+from flexpage import Engine
+from reference import NEW_TOKENS, stock_greedy, workload
+outputs = {}
+for seed in map(int, sys.argv[1:]):
+    engine = Engine(zoo.build("llama-tiny", seed=seed), page_size=16, max_cached_tokens=2048, max_batch_size=4,
+                    max_tokens_per_step=128, compile_decode=True)
+    before = compiled_graphs()
+    got = engine.generate(workload()[:4], max_new_tokens=list(NEW_TOKENS[:4]))
+    stock = zoo.build("llama-tiny", seed=seed)
+    outputs[seed] = {"equal": got == [stock_greedy(stock, p, n) for p, n in zip(workload()[:4], NEW_TOKENS)],
+                     "compiled_steps": engine.stats().compiled_steps, "new_graphs": compiled_graphs() - before}
+print(json.dumps({"outputs": outputs, **graph_counts()}))
+"""
+
+    def run(*seeds: int) -> dict:
+        out = subprocess.run([sys.executable, "-c", child, *map(str, seeds)], env=env, capture_output=True, text=True,
+                             timeout=900, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first, second = run(0, 1), run(2)
+    for result in (*first["outputs"].values(), *second["outputs"].values()):
+        assert result == {"equal": True, "compiled_steps": result["compiled_steps"], "new_graphs": 0}
+        assert result["compiled_steps"] > 0
+    assert first["loaded"] == 0 and second["loaded"] == second["held"] == first["held"]
+    assert len(list((tmp_path / "flexpage").glob("_decode_forward-*.bin"))) == 3  # buckets 1, 2 and 4
