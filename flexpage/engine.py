@@ -79,7 +79,8 @@ class Engine:
                           pack_weights=pack_weights)
         state = paged_state(self.model)
         self.cache, self.tokenizer = state.cache, tokenizer
-        self.runner = ModelRunner(self.model, self.cache, state.cache_argument, max_batch_size, max_tokens_per_step, compile_decode)
+        self.runner = ModelRunner(self.model, self.cache, state.cache_argument, max_batch_size, max_tokens_per_step,
+                                  compile_decode, state.linears)
         self.blocks = BlockManager(self.cache, prefix_caching)
         drafts = proposer(speculative, num_speculative_tokens, self.model.config.vocab_size, dict(
             page_size=page_size, max_cached_tokens=max_cached_tokens, max_batch_size=max_batch_size,

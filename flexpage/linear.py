@@ -270,6 +270,12 @@ class FewRowLinears:
                         if row_key(1 << bucket, layer.weight, layer.bias) not in ranking:
                             fast_linear(torch.randn(1 << bucket, layer.in_features), layer.weight, layer.bias)
 
+    def traced_kernels(self, rows: int) -> tuple[str, ...]:
+        """The kernel a traced forward of ``rows`` rows takes in each layer (``fast_linear``): what a
+        compiled graph bakes in, so part of what a saved graph is keyed by."""
+        return tuple(next((name for name in ranking.get(row_key(rows, layer.weight, layer.bias)) or ()
+                           if name in TRACEABLE), "plain") for layer in self.layers)
+
     def remove(self) -> None:
         """Give every layer back its class's ``forward`` and drop the hooks."""
         for layer in self.layers:

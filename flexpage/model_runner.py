@@ -28,6 +28,7 @@ from .block_manager import BlockManager
 from .cache import PagedKVCache
 from .compile import compile_static
 from .errors import OutOfPagesError, StepFailedError
+from .linear import FewRowLinears
 from .policy import device_policy
 from .masks import PackedBlockMask, StaticDecodeMask
 from .pages import PackedPlan, PageTable
@@ -84,10 +85,13 @@ class StaticDecode:
 
 class ModelRunner:
     """Runs ``model`` (wrapped, with its pools in ``cache``) over scheduled batches of at most
-    ``max_batch_size`` sequences and ``max_tokens_per_step`` tokens, and picks their next tokens."""
+    ``max_batch_size`` sequences and ``max_tokens_per_step`` tokens, and picks their next tokens.
+    ``linears``: the model's ``FewRowLinears`` (``wrap``'s), whose kernel choices a compiled step
+    bakes in: they are measured before anything is compiled."""
 
     def __init__(self, model: PreTrainedModel, cache: PagedKVCache, cache_argument: str, max_batch_size: int,
-                 max_tokens_per_step: int, compile_decode: bool | None = None) -> None:
+                 max_tokens_per_step: int, compile_decode: bool | None = None,
+                 linears: FewRowLinears | None = None) -> None:
         if max_tokens_per_step < max_batch_size + CHUNK_BLOCK:
             raise ValueError(
                 f"max_tokens_per_step ({max_tokens_per_step}) must leave room for a decode token per sequence "
@@ -111,6 +115,9 @@ class ModelRunner:
         # one graph per decode bucket, compiled ahead of time and saved (``compile.StaticCompiled``):
         # a later process loads it in about a second instead of tracing the forward again
         self.compiled = _compiled_decode_forward if self.compiled_buckets else None
+        self.linears = linears
+        if self.compiled_buckets and linears is not None:  # a traced forward takes the kernels measured now
+            linears.measure(max(self.compiled_buckets))
         self._compiled_key = _model_key(model, cache) if self.compiled_buckets else None
         self.variants: set[tuple[int | None, float | None]] = set()  # layers' (window, cap), seen eagerly
         # static steps keep a query head per row: inductor's template for grouped rows inside a whole
@@ -247,7 +254,8 @@ class ModelRunner:
         inputs = dict(input_ids=static.input_ids, position_ids=static.plan.position_ids, attention_mask=static.mask,
                       use_cache=True, logits_to_keep=0, **{self.cache_argument: self.cache})
         # the bucket's graph: what it specialises on besides the model's key is the bucket and the variants
-        key = (self._compiled_key, decode_len, self.group, tuple(sorted(self.variants, key=repr)))
+        kernels = self.linears.traced_kernels(decode_len) if self.linears is not None else ()
+        key = (self._compiled_key, decode_len, self.group, tuple(sorted(self.variants, key=repr)), kernels)
         start = time.perf_counter()
         logits = self.compiled.keyed(key, self.model, inputs)[0]
         self.compiled_steps += 1
