@@ -8,7 +8,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from .compile import compile_static
-from .masks import PackedBlockMask, PagedBlockMask, ScoreMod, SequenceKV
+from .masks import PackedBlockMask, PagedBlockMask, ScoreMod, SequenceKV, StaticDecodeMask, static_mask_at
 from .host import cdiv
 from .policy import device_policy
 
@@ -236,6 +236,8 @@ def packed_attention(
     ``window`` and ``cap`` select the layer's variant (sliding window, logit soft-cap).
     Returns ``[1, Hq, T, Dv]``.
     """
+    if isinstance(block_mask, StaticDecodeMask) and torch.compiler.is_compiling():  # one opaque call, run eagerly
+        return static_decode_attention(query, key_pool, value_pool, block_mask.plan.tok_pos, window, cap, scale)
     plan = block_mask.plan
     if query.shape[0] != 1 or query.dim() != 4 or query.shape[2] != plan.q_len:
         raise ValueError(
@@ -262,6 +264,22 @@ def packed_attention(
     elif plan.q_len > decoded:
         outputs.append(_region_attention(query, key_pool, value_pool, block_mask.region("chunk", window, cap), scale))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+
+@torch.library.custom_op("flexpage::static_decode_attention", mutates_args=())
+def static_decode_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, tok_pos: Tensor,
+                            window: int | None, cap: float | None, scale: float | None) -> Tensor:
+    """``packed_attention`` of a static decode step (its mask found by its plan's ``tok_pos``,
+    ``masks.static_mask_at``), as one opaque op of the compiled step: it runs the eager kernels
+    (grouped query heads, the attention graphs compiled on their own), which inductor's template
+    inside a whole compiled forward does not match on the CPU."""
+    return packed_attention(query, key_pool, value_pool, static_mask_at(tok_pos), window, cap, scale).contiguous()
+
+
+@static_decode_attention.register_fake
+def _static_decode_attention_shape(query: Tensor, key_pool: Tensor, value_pool: Tensor, tok_pos: Tensor,
+                                   window: int | None, cap: float | None, scale: float | None) -> Tensor:
+    return query.new_empty(*query.shape[:3], value_pool.shape[-1])
 
 
 def sdpa_over_pages(device: torch.device, cap: float | None, sequences: int) -> bool:

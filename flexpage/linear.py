@@ -75,7 +75,27 @@ KERNELS: dict[str, Kernel] = {"plain": plain_linear, "transposed": transposed_li
 if torch.backends.mkldnn.is_available():
     KERNELS["onednn"] = onednn_linear
     KERNELS["onednn_packed"] = onednn_linear  # given the layer's packed copy (``pack_weight``) as its weight
-TRACEABLE = ("plain", "transposed")  # the kernels a compiled forward can take
+TRACEABLE = ("plain", "transposed", "onednn_packed")  # the kernels a compiled forward can take
+# packed copies a compiled forward reads through ``flexpage::packed_linear``, by their weight's address
+_PACKED: dict[int, tuple["FewRowLinears", nn.Linear]] = {}
+
+
+@torch.library.custom_op("flexpage::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` by oneDNN on ``weight``'s packed copy (``FewRowLinears.pack``),
+    as one opaque op of a compiled forward: inductor cannot trace oneDNN on the copy, and its own
+    GEMMs read a weight for a few rows several times slower. The copy is found by the weight's
+    address, so a graph saved by one process serves another's weights."""
+    owner = _PACKED.get(weight.data_ptr())
+    if owner is None or owner[1].weight.data_ptr() != weight.data_ptr():  # not a packed layer's weight
+        return F.linear(x, weight, bias)
+    linears, layer = owner
+    return onednn_linear(x, linears.packed(layer), bias)
+
+
+@packed_linear.register_fake
+def _packed_linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 def pack_weight(weight: torch.Tensor, rows: int) -> torch.Tensor:
@@ -116,15 +136,20 @@ def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if (not 1 <= rows <= MAX_ROWS or x.device.type != "cpu" or not x.dtype == weight.dtype == torch.float32
             or torch.is_grad_enabled()):
         return F.linear(x, weight, bias)
-    if torch.compiler.is_compiling():  # nothing to time while tracing
-        order = ranking.get(row_key(rows, weight, bias))
-        name = next((name for name in order or () if name in TRACEABLE), "plain")
-        return KERNELS[name](x, weight, bias)
+    if torch.compiler.is_compiling():  # nothing to time while tracing: the kernel measured beforehand
+        return KERNELS[traced_kernel(rows, weight, bias, packed is not None)](x, weight, bias)
     key = row_key(rows, weight, bias, packed is not None)
     order = ranking.get(key)
     if order is None:
         return _timed(key, x, weight, bias, packed)
     return _run(order[0], x, weight, bias, packed)
+
+
+def traced_kernel(rows: int, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> str:
+    """The kernel a traced product of ``rows`` rows takes: the fastest traceable one measured (the
+    packed copy only where the layer has one, through ``packed_linear``), else ``F.linear``."""
+    order = ranking.get(row_key(rows, weight, bias, packed)) or ()
+    return next((name for name in order if name in TRACEABLE and (packed or name != "onednn_packed")), "plain")
 
 
 def _run(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -267,14 +292,15 @@ class FewRowLinears:
             for bucket in range((min(max_rows, MAX_ROWS) - 1).bit_length() + 1):
                 for _ in range(len(KERNELS) * TRIALS):  # a shape met once per sweep is decided after the last
                     for layer in layers:
-                        if row_key(1 << bucket, layer.weight, layer.bias) not in ranking:
-                            fast_linear(torch.randn(1 << bucket, layer.in_features), layer.weight, layer.bias)
+                        packed = self.packed(layer)
+                        if row_key(1 << bucket, layer.weight, layer.bias, packed is not None) not in ranking:
+                            fast_linear(torch.randn(1 << bucket, layer.in_features), layer.weight, layer.bias, packed)
 
     def traced_kernels(self, rows: int) -> tuple[str, ...]:
         """The kernel a traced forward of ``rows`` rows takes in each layer (``fast_linear``): what a
         compiled graph bakes in, so part of what a saved graph is keyed by."""
-        return tuple(next((name for name in ranking.get(row_key(rows, layer.weight, layer.bias)) or ()
-                           if name in TRACEABLE), "plain") for layer in self.layers)
+        return tuple(traced_kernel(rows, layer.weight, layer.bias, self.packed(layer) is not None)
+                     for layer in self.layers)
 
     def remove(self) -> None:
         """Give every layer back its class's ``forward`` and drop the hooks."""
@@ -283,6 +309,8 @@ class FewRowLinears:
         for hook in self._hooks:
             hook.remove()
         self.layers, self.active = [], False
+        for weight, _, _ in self._packed.values():
+            _PACKED.pop(weight.data_ptr(), None)
         self._packed.clear()
 
     def packed(self, layer: nn.Linear) -> torch.Tensor | None:
@@ -294,12 +322,16 @@ class FewRowLinears:
         entry = self._packed.get(layer)
         if entry is None or entry[0] is not weight or entry[1] != weight._version:
             entry = self._packed[layer] = (weight, weight._version, pack_weight(weight, self.pack_rows))
+            _PACKED[weight.data_ptr()] = (self, layer)
         return entry[2]
 
     def _forward(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if not self.active:
             return F.linear(x, layer.weight, layer.bias)
-        if torch.compiler.is_compiling():  # a traced forward takes no packed copy
+        if torch.compiler.is_compiling():  # the packed copy is read at run time, by the layer's number
+            if self.pack_rows and traced_kernel(x.numel() // x.shape[-1], layer.weight, layer.bias, True) == \
+                    "onednn_packed":
+                return packed_linear(x, layer.weight, layer.bias)
             return fast_linear(x, layer.weight, layer.bias)
         return fast_linear(x, layer.weight, layer.bias, self.packed(layer))
 

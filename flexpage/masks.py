@@ -13,8 +13,9 @@ sequence), as the library in ``flexpage.mods`` is.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -471,6 +472,16 @@ class PackedBlockMask(_StepMask):
             SequenceKV.for_row(self.page_table, row, window, num_tokens) for row, num_tokens in self.plan.chunks])
 
 
+# every live static mask, by the address of its plan's ``tok_pos`` (``static_mask_at``)
+_STATIC: weakref.WeakValueDictionary[int, "StaticDecodeMask"] = weakref.WeakValueDictionary()
+
+
+def static_mask_at(tok_pos: Tensor) -> "StaticDecodeMask":
+    """The static mask whose plan's ``tok_pos`` is this tensor: how an opaque op of a compiled step
+    (which takes tensors only) finds its mask, in this process, whichever process traced it."""
+    return _STATIC[tok_pos.data_ptr()]
+
+
 class StaticDecodeMask(PackedBlockMask):
     """The mask of one decode bucket's compiled step, over a static plan (``PageTable.static_plan``):
     its decode rows and every layer variant's block metadata are tensors built once and rewritten
@@ -482,11 +493,17 @@ class StaticDecodeMask(PackedBlockMask):
              group: int) -> "StaticDecodeMask":
         """The mask of the static ``plan``, with the decode region of each ``(window, cap)`` built."""
         mask = cls.for_step(page_table, plan)
-        mask.group = group
+        mask.group, mask.rows = group, ()
         mask._variants[("decode_rows",)] = DecodeRows(plan.tok_rows, plan.tok_pos.clamp_min(0), plan.tok_pos + 1)
         for window, cap in variants:
             mask.decode_region(window, cap, group)
+        _STATIC[plan.tok_pos.data_ptr()] = mask
         return mask
+
+    def decode_kv(self, window: int | None = None) -> SequenceKV:
+        """Where the step's lone decode row's keys live (its rows are ``refresh``'s, not the plan's)."""
+        (row,) = self.rows
+        return self._variant(("decode_kv", window), lambda: SequenceKV.for_row(self.page_table, row, window))
 
     def tensors(self) -> list[Tensor]:
         """Every tensor of the mask that ``refresh`` rewrites: the decode rows' and each variant's
@@ -500,9 +517,12 @@ class StaticDecodeMask(PackedBlockMask):
                          block_mask.full_kv_indices]
         return held
 
-    def refresh(self) -> None:
+    def refresh(self, rows: Sequence[int]) -> None:
         """Rewrite the decode rows and every variant's block metadata from the plan's tensors (written
-        for this step by ``PageTable.plan_packed``) and the page table."""
+        for this step's page-table ``rows`` by ``PageTable.plan_packed``) and the page table."""
+        self.rows = tuple(rows)
+        for key in [key for key in self._variants if key[0] == "decode_kv"]:  # a lone row's keys: per step
+            del self._variants[key]
         rows = self._variants[("decode_rows",)]
         torch.clamp(self.plan.tok_pos, min=0, out=rows.q_start)  # padding rows (position -1) see nothing
         torch.add(self.plan.tok_pos, 1, out=rows.kv_lens)

@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from .attention import sdpa_over_pages
+from .attention import head_group, sdpa_over_pages
 from .block_manager import BlockManager
 from .cache import PagedKVCache
 from .compile import compile_static
@@ -120,9 +120,8 @@ class ModelRunner:
             linears.measure(max(self.compiled_buckets))
         self._compiled_key = _model_key(model, cache) if self.compiled_buckets else None
         self.variants: set[tuple[int | None, float | None]] = set()  # layers' (window, cap), seen eagerly
-        # static steps keep a query head per row: inductor's template for grouped rows inside a whole
-        # compiled forward computed wrong attention for one row (torch 2.13), so it is not used there
-        self.group = 1
+        # a static step's attention runs eagerly inside it (``static_decode_attention``): grouped heads too
+        self.group = head_group(self.device, model.config.num_attention_heads, cache.num_kv_heads)
         self.static: dict[int, StaticDecode] = {}  # each compiled bucket's persistent step inputs
         self.compiled_steps = 0  # steps that ran the compiled forward
 
@@ -250,7 +249,7 @@ class ModelRunner:
                                                                   self.group)
         self.cache.plan_packed_step(rows, [], decode_len, 0, self.chunk_block, pad_decode=True, into=static.plan)
         static.input_ids.view(-1).copy_(host_tensor(ids + [0] * (decode_len - len(ids)), self.device))
-        static.mask.refresh()
+        static.mask.refresh(rows)
         inputs = dict(input_ids=static.input_ids, position_ids=static.plan.position_ids, attention_mask=static.mask,
                       use_cache=True, logits_to_keep=0, **{self.cache_argument: self.cache})
         # the bucket's graph: what it specialises on besides the model's key is the bucket and the variants
