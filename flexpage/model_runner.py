@@ -110,8 +110,8 @@ class ModelRunner:
         buckets = {self.decode_len(n) for n in range(1, max_batch_size + 1)}
         alone = not getattr(model, "hf_device_map", None) and (getattr(model, "tp_size", None) or 1) == 1
         self.compile_decode = compile_decode
-        self.compiled_buckets = (buckets if compile_decode else set() if compile_decode is False or not alone
-                                 else buckets & set(device_policy(self.device).compiled_decode_buckets))
+        default = compile_decode is None and alone and device_policy(self.device).compile_decode
+        self.compiled_buckets = buckets if compile_decode or default else set()
         # one graph per decode bucket, compiled ahead of time and saved (``compile.StaticCompiled``):
         # a later process loads it in about a second instead of tracing the forward again
         self.compiled = _compiled_decode_forward if self.compiled_buckets else None

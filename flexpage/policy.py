@@ -39,15 +39,14 @@ class DevicePolicy:
     host_sampling: bool
     # Tokens per page when ``wrap`` chooses: larger pages mean fewer, larger KV blocks.
     page_size: int
-    # Decode buckets whose steps run the whole forward compiled by default (where it measured
-    # faster than eager; at more rows the eager path's grouped heads and packed weights win).
-    compiled_decode_buckets: tuple[int, ...] = ()
+    # Decode-only steps run the whole forward compiled by default, every bucket (where it measured
+    # faster than eager: the compiled step calls the eager path's attention and packed linears).
+    compile_decode: bool = False
 
 
 CPU_POLICY = DevicePolicy(sdpa_lone_sequence=True, split_chunk_attention=True, grouped_decode_rows=True,
                           pool_wide_metadata=True, uniform_decode_rows=True, tile_options=False,
-                          zero_copy_host_ints=True, host_sampling=True, page_size=64,
-                          compiled_decode_buckets=(1, 2))
+                          zero_copy_host_ints=True, host_sampling=True, page_size=64, compile_decode=True)
 ACCELERATOR_POLICY = DevicePolicy(sdpa_lone_sequence=False, split_chunk_attention=False, grouped_decode_rows=False,
                                   pool_wide_metadata=False, uniform_decode_rows=False, tile_options=True,
                                   zero_copy_host_ints=False, host_sampling=False, page_size=16)

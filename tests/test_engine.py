@@ -132,10 +132,11 @@ def test_a_lone_request_decodes_one_token_per_step(stock_llama):
 
 
 def test_forwards_feed_no_padding_tokens(stock_llama):
-    """Three decode tokens are three rows of every linear layer; only attention's batch of
-    one-token rows is padded to the bucket (4) its compiled graph was built for. On CPU, where
-    SDPA attends each prefill chunk on its own, chunks are packed unaligned."""
-    engine = make_engine()
+    """Eager steps: three decode tokens are three rows of every linear layer; only attention's
+    batch of one-token rows is padded to the bucket (4) its compiled graph was built for. On CPU,
+    where SDPA attends each prefill chunk on its own, chunks are packed unaligned. (A compiled
+    step feeds its whole bucket: its shapes are static.)"""
+    engine = make_engine(compile_decode=False)
     prompts = workload((9, 40, 21))
     for prompt in prompts:
         engine.add_request(prompt, flexpage.SamplingParams(max_new_tokens=5))
@@ -359,7 +360,9 @@ def test_engine_rejects_a_budget_without_room_for_a_chunk():
 
 
 def test_a_failed_step_gives_its_slots_back_and_serving_resumes(expected, monkeypatch):
-    engine = make_engine()
+    """The model's forward fails in the third step (eager steps: a compiled step runs its saved
+    graph, not the instance's ``forward``): its slots go back and the requests are served later."""
+    engine = make_engine(compile_decode=False)
     for prompt, n in zip(workload()[:3], NEW_TOKENS[:3]):
         engine.add_request(prompt, flexpage.SamplingParams(max_new_tokens=n))
     real, calls = engine.model.forward, []
