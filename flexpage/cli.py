@@ -7,6 +7,7 @@
     flexpage bench prefix        shared prefixes, with and without prefix caching
     flexpage bench attention     one layer's paged attention vs contiguous kernels
     flexpage bench startup       fresh process to first token, cold and warm compile cache
+    flexpage bench steps         decode steps at every bucket: compiled vs eager
     flexpage bench serve         HTTP load: flexpage serve vs transformers serve
     flexpage bench tp            tensor parallelism: decode latency at tp=1 vs 2, KV capacity per rank
     flexpage bench speculative   speculative decoding: verify cost, speed-up at known acceptance, assisted generate()
@@ -23,7 +24,7 @@ import sys
 
 COMMANDS = {"generate": "flexpage.bench.generate", "serve": "flexpage.serve.cli"}
 BENCHMARKS = {name: f"flexpage.bench.{name}" for name in ("latency", "throughput", "prefix", "attention", "startup",
-                                                                  "serve", "tp", "speculative")}
+                                                                  "steps", "serve", "tp", "speculative")}
 HELP = ("-h", "--help")
 
 
