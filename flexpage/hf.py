@@ -36,7 +36,7 @@ from .errors import UnsupportedModelError
 from .linear import FewRowLinears
 from .masks import PackedBlockMask, PagedBlockMask
 from .policy import device_policy
-from .host import cdiv
+from .host import cdiv, pow2_bucket
 
 FALLBACKS = {"sdpa": "flexpage", "eager": "flexpage_eager"}  # stock implementation -> our name
 # wrap's page size when none is given is the device policy's; a pool smaller than that gets pages of 16
@@ -273,7 +273,7 @@ def new_token_counts(attention_mask: torch.Tensor | None, batch: int, q_len: int
 
 def bucket(q_len: int) -> int:
     """Query lengths are padded to powers of two (>= 16) so prompts of any length share a few compiles."""
-    return 1 if q_len == 1 else max(16, 1 << (q_len - 1).bit_length())
+    return 1 if q_len == 1 else pow2_bucket(q_len, 16)
 
 
 def paged_step_mask(cache: PagedKVCache, inputs: torch.Tensor, attention_mask: torch.Tensor | None) -> PagedBlockMask:

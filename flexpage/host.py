@@ -1,4 +1,5 @@
-"""Small host-side helpers shared across the library: ceiling division, and host ints as a tensor."""
+"""Small host-side helpers shared across the library: ceiling division, power-of-two buckets, and host
+ints as a tensor."""
 
 from __future__ import annotations
 
@@ -15,6 +16,11 @@ _TYPECODES = {torch.int64: "q", torch.int32: "i"}
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` in integers."""
     return -(-a // b)
+
+
+def pow2_bucket(n: int, smallest: int) -> int:
+    """``n`` rounded up to a power of two, at least ``smallest``: step shapes bucketed so they repeat."""
+    return max(smallest, 1 << (n - 1).bit_length())
 
 
 def host_tensor(values: Sequence[int], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:

@@ -11,8 +11,6 @@ and graph-captured steps belong here.
 
 from __future__ import annotations
 
-import hashlib
-import itertools
 import logging
 import time
 from contextlib import contextmanager
@@ -23,20 +21,20 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from .attention import head_group, sdpa_over_pages
+from .attention import sdpa_over_pages
 from .block_manager import BlockManager
 from .cache import PagedKVCache
-from .compile import compile_static
 from .errors import OutOfPagesError, StepFailedError
 from .linear import FewRowLinears
 from .policy import device_policy
-from .masks import PackedBlockMask, StaticDecodeMask
-from .pages import PackedPlan, PageTable
-from .host import cdiv, host_tensor
+from .masks import PackedBlockMask
+from .pages import PackedPlan
+from .host import cdiv, host_tensor, pow2_bucket
 from .penalties import adjust_logits
 from .requests import TokenLogprobs
 from .sampling import Sampler, greedy_tokens
 from .sequence import Batch, Pick, Sequence
+from .static_step import StaticSteps, decode_bucket
 
 log = logging.getLogger(__name__)
 
@@ -60,29 +58,6 @@ class StepResult:
     accepted: int = 0  # drafts kept
 
 
-@dataclass(frozen=True)
-class StaticDecode:
-    """One compiled decode bucket's step inputs, tensors that every step of the bucket rewrites in
-    place: the token ids, the plan (positions, slots, rows; ``PageTable.static_plan``) and the mask
-    (decode rows and block metadata; ``StaticDecodeMask``). The compiled forward reads only these."""
-
-    input_ids: torch.Tensor  # [1, decode_len]
-    plan: PackedPlan
-    mask: StaticDecodeMask
-
-    @classmethod
-    def build(cls, page_table: PageTable, decode_len: int, variants: set[tuple[int | None, float | None]],
-              group: int) -> "StaticDecode":
-        plan = page_table.static_plan(decode_len)
-        input_ids = torch.zeros(1, decode_len, dtype=torch.int64, device=page_table.device)
-        return cls(input_ids, plan, StaticDecodeMask.over(page_table, plan, variants, group))
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Every tensor a step writes in place and the compiled forward reads."""
-        plan = self.plan
-        return [self.input_ids, plan.slots, plan.tok_rows, plan.tok_pos, plan.position_ids, *self.mask.tensors()]
-
-
 class ModelRunner:
     """Runs ``model`` (wrapped, with its pools in ``cache``) over scheduled batches of at most
     ``max_batch_size`` sequences and ``max_tokens_per_step`` tokens, and picks their next tokens.
@@ -104,26 +79,15 @@ class ModelRunner:
         self.sdpa = sdpa_over_pages(self.device, getattr(model.config, "attn_logit_softcapping", None), 1)
         self.chunk_block = 1 if self.sdpa else CHUNK_BLOCK  # unaligned chunks: no padding rows in the forward
         self.sampler = Sampler()  # keeps its scratch rows from step to step
-        # decode-only steps through the whole forward compiled, one graph per decode bucket (static
-        # shapes: the bucket's padding rows are fed too): every bucket, none, or (None) the buckets
-        # where the device policy measured it faster than eager
+        # decode-only steps as static steps, one compiled graph per decode bucket (``StaticSteps``): every
+        # bucket, none, or (None) the device policy's choice; not under tensor parallelism or device maps
         buckets = {self.decode_len(n) for n in range(1, max_batch_size + 1)}
         alone = not getattr(model, "hf_device_map", None) and (getattr(model, "tp_size", None) or 1) == 1
         self.compile_decode = compile_decode
         default = compile_decode is None and alone and device_policy(self.device).compile_decode
-        self.compiled_buckets = buckets if compile_decode or default else set()
-        # one graph per decode bucket, compiled ahead of time and saved (``compile.StaticCompiled``):
-        # a later process loads it in about a second instead of tracing the forward again
-        self.compiled = _compiled_decode_forward if self.compiled_buckets else None
-        self.linears = linears
-        if self.compiled_buckets and linears is not None:  # a traced forward takes the kernels measured now
-            linears.measure(max(self.compiled_buckets))
-        self._compiled_key = _model_key(model, cache) if self.compiled_buckets else None
-        self.variants: set[tuple[int | None, float | None]] = set()  # layers' (window, cap), seen eagerly
-        # a static step's attention runs eagerly inside it (``static_decode_attention``): grouped heads too
-        self.group = head_group(self.device, model.config.num_attention_heads, cache.num_kv_heads)
-        self.static: dict[int, StaticDecode] = {}  # each compiled bucket's persistent step inputs
-        self.compiled_steps = 0  # steps that ran the compiled forward
+        self.graphs = StaticSteps(model, cache, cache_argument, linears,
+                                  buckets if compile_decode or default else set())
+        self.compiled_steps = 0  # steps that ran a compiled graph
 
     # ------------------------------------------------------------------ a step
     def run(self, batch: Batch) -> StepResult:
@@ -188,11 +152,12 @@ class ModelRunner:
         # speculating sequences are chunks of the chunk region: their last token and their drafts
         chunks = batch.chunks + [(seq, 1 + len(seq.drafts)) for seq in batch.verify]
         aligned = sum(cdiv(n, block) * block for _, n in chunks)
-        chunk_len = aligned if self.sdpa or not aligned else _bucket(aligned, MIN_CHUNK_REGION)  # buckets: graphs
+        chunk_len = aligned if self.sdpa or not aligned else pow2_bucket(aligned, MIN_CHUNK_REGION)  # buckets: graphs
         ids = [seq.tokens[-1] for seq in batch.decode]
-        if decode_len in self.compiled_buckets and not chunks and self.variants:
+        if not chunks and self.graphs.ready(decode_len):
             try:
-                logits, seconds = self._static_step([seq.row for seq in batch.decode], ids, decode_len)
+                logits, seconds = self.graphs.run([seq.row for seq in batch.decode], ids, decode_len)
+                self.compiled_steps += 1
             except Exception as error:  # the step's tokens were never computed (the scheduler rolls them back)
                 raise StepFailedError([seq.index for seq in batch.stepped], error) from error
             return logits[: len(ids)], list(enumerate(batch.decode)), [], decode_len, 0, seconds
@@ -235,30 +200,8 @@ class ModelRunner:
         start = time.perf_counter()
         logits = self.model(**inputs).logits[0]
         seconds = time.perf_counter() - start
-        if self.compiled is not None and not self.variants and plan.decode_len > 1 and not plan.chunks:
-            self.variants = mask.decode_variants()  # what a static step must build first: every layer's, once
+        self.graphs.learn(mask)  # the layers' attention variants, which a static step builds first
         return logits, seconds
-
-    def _static_step(self, rows: list[int], ids: list[int], decode_len: int) -> tuple[torch.Tensor, float]:
-        """A decode-only step of a compiled bucket: the step's inputs written into the bucket's
-        persistent tensors (``StaticDecode``), then the compiled forward over them; returns every
-        row's logits (the padding rows' too) and the seconds the model took."""
-        static = self.static.get(decode_len)
-        if static is None:
-            static = self.static[decode_len] = StaticDecode.build(self.cache.page_table, decode_len, self.variants,
-                                                                  self.group)
-        self.cache.plan_packed_step(rows, [], decode_len, 0, self.chunk_block, pad_decode=True, into=static.plan)
-        static.input_ids.view(-1).copy_(host_tensor(ids + [0] * (decode_len - len(ids)), self.device))
-        static.mask.refresh(rows)
-        inputs = dict(input_ids=static.input_ids, position_ids=static.plan.position_ids, attention_mask=static.mask,
-                      use_cache=True, logits_to_keep=0, **{self.cache_argument: self.cache})
-        # the bucket's graph: what it specialises on besides the model's key is the bucket and the variants
-        kernels = self.linears.traced_kernels(decode_len) if self.linears is not None else ()
-        key = (self._compiled_key, decode_len, self.group, tuple(sorted(self.variants, key=repr)), kernels)
-        start = time.perf_counter()
-        logits = self.compiled.keyed(key, self.model, inputs)[0]
-        self.compiled_steps += 1
-        return logits, time.perf_counter() - start
 
     def pick(self, logits: torch.Tensor, asks: list[tuple[Sequence, int, list[int]]]
              ) -> tuple[list[int | None], dict[int, TokenLogprobs], dict[int, str]]:
@@ -332,9 +275,7 @@ class ModelRunner:
         (nothing compiled depends on it), else a power of two >= 2, so compiled graphs are few
         (the rows past the real tokens are empty: they cost attention little and the rest of the
         forward nothing)."""
-        if count == 0 or count == 1 and self.sdpa:
-            return count
-        return _bucket(count, 2)
+        return decode_bucket(count, self.sdpa)
 
     def compiled_shapes(self, decode_len: int, chunk_len: int) -> list[tuple[str, int]]:
         """The compiled attention regions a step of these region sizes used."""
@@ -385,47 +326,21 @@ class ModelRunner:
         # then the compiled decode graphs, twice over: the first forward of a model sets state that
         # the graphs compiled before it guard on (transformers' kernel hub), so the second builds it
         # the layers' mask variants are learned from an eager multi-row step: none, no compiled steps
-        buckets = sorted(self.compiled_buckets) if self.variants else []
+        graphs = self.graphs
+        buckets = sorted(graphs.buckets) if graphs.variants else []
         for decode_len in tqdm(buckets * 2, desc="compiled steps", unit="graph", disable=not (progress and buckets)):
-            if decode_len not in self.compiled_buckets:
+            if decode_len not in graphs.buckets:
                 continue
             batch = Batch([_scratch(1) for _ in range(min(decode_len, self.max_batch_size))])
             try:
                 with _scratch_rows(blocks, batch):
-                    self._static_step([seq.row for seq in batch.decode], [0] * len(batch.decode), decode_len)
-                    self.compiled_steps -= 1  # warm-up is not serving
+                    graphs.run([seq.row for seq in batch.decode], [0] * len(batch.decode), decode_len)
             except Exception as error:  # noqa: BLE001 - this bucket's steps run eager instead
                 if self.compile_decode:  # asked for explicitly: say why it cannot be had
                     raise
-                self.compiled_buckets.discard(decode_len)
+                graphs.buckets.discard(decode_len)
                 log.warning("decode bucket %d runs eager: compiling its forward failed (%s)", decode_len, error)
         return time.perf_counter() - start
-
-
-def _decode_forward(model: PreTrainedModel, inputs: dict) -> torch.Tensor:
-    """A compiled decode step: the logits of every fed position (``inputs`` are the forward's
-    keyword arguments: token ids, positions, the step's prepared mask, the cache)."""
-    return model(**inputs).logits
-
-
-# Where a graph can't be compiled ahead of time (older torch, or aot_compile fails): dynamo, as
-# before, with inductor's freezing (the weights folded into the graph as constants).
-_compiled_decode_forward = compile_static(_decode_forward, fallback=torch.compile(
-    _decode_forward, dynamic=False, fullgraph=False, options={"freezing": True}))
-
-
-def _model_key(model: PreTrainedModel, cache: PagedKVCache) -> str:
-    """What a compiled decode forward specialises on besides its bucket: the model's class,
-    config and weights' shapes (not their values: the graph reads them at each call), and the
-    pools' and page table's shapes. A later process with the same gets the saved graphs."""
-    tensors = itertools.chain(model.named_parameters(), model.named_buffers(),
-                              ((f"pool{i}", layer.keys) for i, layer in enumerate(cache.layers)),
-                              ((name, value) for name, value in sorted(vars(cache.page_table).items())
-                               if isinstance(value, torch.Tensor)))
-    shapes = [(name, tuple(t.shape), str(t.dtype), t.device.type) for name, t in tensors]
-    text = "|".join(map(str, (type(model).__module__, type(model).__qualname__, model.config.to_json_string(),
-                              getattr(model.config, "_attn_implementation", None), cache.page_size, shapes)))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _scratch(num_tokens: int) -> Sequence:
@@ -445,8 +360,3 @@ def _scratch_rows(blocks: BlockManager, batch: Batch) -> Iterator[None]:
         for seq in batch.stepped:
             if seq.row is not None:
                 blocks.free(seq)
-
-
-def _bucket(n: int, smallest: int) -> int:
-    """Region sizes are powers of two (at least ``smallest``) so step shapes repeat."""
-    return max(smallest, 1 << (n - 1).bit_length())

@@ -422,14 +422,15 @@ def test_compiled_decode_steps_match_stock_and_compile_nothing_after_warmup(arch
     stock = zoo.build(f"{arch}-tiny")
     engine = make_engine(arch, compile_decode=True)
     graphs = compiled_graphs()
-    addresses = {n: [t.data_ptr() for t in static.tensors()] for n, static in engine.runner.static.items()}
-    assert set(addresses) == engine.runner.compiled_buckets  # every bucket's step inputs built by warm-up
+    steps = engine.runner.graphs
+    addresses = {n: [t.data_ptr() for t in static.tensors()] for n, static in steps.static.items()}
+    assert set(addresses) == steps.buckets  # every bucket's step inputs built by warm-up
     outputs = engine.generate(workload(), max_new_tokens=list(NEW_TOKENS))
     assert outputs == [stock_greedy(stock, p, n) for p, n in zip(workload(), NEW_TOKENS)]
     assert compiled_graphs() == graphs
     assert engine.stats().compiled_steps > 0
     # the compiled steps read their inputs where warm-up put them: written in place, never reallocated
-    assert {n: [t.data_ptr() for t in static.tensors()] for n, static in engine.runner.static.items()} == addresses
+    assert {n: [t.data_ptr() for t in static.tensors()] for n, static in steps.static.items()} == addresses
 
 
 @pytest.mark.slow  # subprocesses

@@ -1,0 +1,139 @@
+"""Static decode steps: a wrapped model's decode-only steps as one compiled graph per decode bucket.
+
+A step of ``n`` sequences decoding runs in the bucket of ``decode_bucket(n)`` rows (the rows past
+the real ones are padding: they write to the sink page and see nothing). Each bucket has its step
+inputs in tensors built once and rewritten in place every step (``StaticDecode``: token ids,
+positions, slots, rows, the mask's block metadata), and one graph compiled ahead of time over them
+(``compile.StaticCompiled``, saved: a later process loads it in about a second). Inside the graph
+the linear layers call oneDNN on their packed weights and attention runs the eager kernels, both as
+opaque ops, so a compiled step is never slower than the eager one. The Engine's runner and
+``wrap(compile_decode=True)`` both step through ``StaticSteps``: one mechanism.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from .attention import head_group
+from .cache import PagedKVCache
+from .compile import compile_static
+from .host import host_tensor, pow2_bucket
+from .linear import FewRowLinears
+from .masks import PackedBlockMask, StaticDecodeMask
+from .pages import PackedPlan, PageTable
+
+Variants = set[tuple[int | None, float | None]]  # the layers' (sliding window, soft-cap) attention variants
+
+
+def decode_bucket(count: int, lone_row: bool) -> int:
+    """The rows of a decode step of ``count`` sequences: a power of two >= 2, so graphs are few,
+    or 1 for a lone sequence where one row is its own bucket (``lone_row``)."""
+    return count if count == 0 or count == 1 and lone_row else pow2_bucket(count, 2)
+
+
+@dataclass(frozen=True)
+class StaticDecode:
+    """One compiled decode bucket's step inputs, tensors that every step of the bucket rewrites in
+    place: the token ids, the plan (positions, slots, rows; ``PageTable.static_plan``) and the mask
+    (decode rows and block metadata; ``StaticDecodeMask``). The compiled forward reads only these."""
+
+    input_ids: torch.Tensor  # [1, decode_len]
+    plan: PackedPlan
+    mask: StaticDecodeMask
+
+    @classmethod
+    def build(cls, page_table: PageTable, decode_len: int, variants: set[tuple[int | None, float | None]],
+              group: int) -> "StaticDecode":
+        plan = page_table.static_plan(decode_len)
+        input_ids = torch.zeros(1, decode_len, dtype=torch.int64, device=page_table.device)
+        return cls(input_ids, plan, StaticDecodeMask.over(page_table, plan, variants, group))
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor a step writes in place and the compiled forward reads."""
+        plan = self.plan
+        return [self.input_ids, plan.slots, plan.tok_rows, plan.tok_pos, plan.position_ids, *self.mask.tensors()]
+
+
+def _decode_forward(model: PreTrainedModel, inputs: dict) -> torch.Tensor:
+    """A compiled decode step: the logits of every fed position (``inputs`` are the forward's
+    keyword arguments: token ids, positions, the step's prepared mask, the cache)."""
+    return model(**inputs).logits
+
+
+# Where a graph can't be compiled ahead of time (older torch, or aot_compile fails): dynamo, as
+# before, with inductor's freezing (the weights folded into the graph as constants).
+_compiled_decode_forward = compile_static(_decode_forward, fallback=torch.compile(
+    _decode_forward, dynamic=False, fullgraph=False, options={"freezing": True}))
+
+
+def _model_key(model: PreTrainedModel, cache: PagedKVCache) -> str:
+    """What a compiled decode forward specialises on besides its bucket: the model's class,
+    config and weights' shapes (not their values: the graph reads them at each call), and the
+    pools' and page table's shapes. A later process with the same gets the saved graphs."""
+    tensors = itertools.chain(model.named_parameters(), model.named_buffers(),
+                              ((f"pool{i}", layer.keys) for i, layer in enumerate(cache.layers)),
+                              ((name, value) for name, value in sorted(vars(cache.page_table).items())
+                               if isinstance(value, torch.Tensor)))
+    shapes = [(name, tuple(t.shape), str(t.dtype), t.device.type) for name, t in tensors]
+    text = "|".join(map(str, (type(model).__module__, type(model).__qualname__, model.config.to_json_string(),
+                              getattr(model.config, "_attn_implementation", None), cache.page_size, shapes)))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class StaticSteps:
+    """The compiled static decode steps of ``model`` (wrapped) over ``cache``, one per bucket in
+    ``buckets``. A bucket runs compiled once the layers' attention variants are known (``learn``:
+    the mask of an eager step of two or more rows names them); until then its steps run eagerly.
+    ``linears`` (``wrap``'s ``FewRowLinears``) are measured first: a traced forward bakes in the
+    kernel each layer takes, and the saved graphs are keyed by those choices."""
+
+    def __init__(self, model: PreTrainedModel, cache: PagedKVCache, cache_argument: str,
+                 linears: FewRowLinears | None, buckets: set[int]) -> None:
+        self.model, self.cache, self.cache_argument, self.linears = model, cache, cache_argument, linears
+        self.buckets = set(buckets)
+        if self.buckets and linears is not None:
+            linears.measure(max(self.buckets))
+        self.key = _model_key(model, cache) if self.buckets else None
+        # a static step's attention runs eagerly inside it (``static_decode_attention``): grouped heads too
+        self.group = head_group(cache.page_table.device, model.config.num_attention_heads, cache.num_kv_heads)
+        self.variants: Variants = set()
+        self.static: dict[int, StaticDecode] = {}  # each bucket's persistent step inputs
+        self.steps = 0  # compiled steps run
+
+    def ready(self, decode_len: int) -> bool:
+        """Whether a decode-only step of ``decode_len`` rows runs compiled."""
+        return decode_len in self.buckets and bool(self.variants)
+
+    def learn(self, mask: PackedBlockMask) -> None:
+        """Take the attention variants the layers asked of an eager decode-only step's mask (two or
+        more rows: a lone row is attended by SDPA and names none)."""
+        plan = mask.plan
+        if self.buckets and not self.variants and plan.decode_len > 1 and not plan.chunks:
+            self.variants = mask.decode_variants()
+
+    def run(self, rows: list[int], ids: list[int], decode_len: int) -> tuple[torch.Tensor, float]:
+        """A decode-only step of the sequences in page-table ``rows`` (their slots reserved), fed
+        ``ids``: its inputs written into the bucket's tensors, then the compiled forward over them.
+        Returns every row's logits (the padding rows' too) and the seconds the model took."""
+        static = self.static.get(decode_len)
+        if static is None:
+            static = self.static[decode_len] = StaticDecode.build(self.cache.page_table, decode_len, self.variants,
+                                                                  self.group)
+        self.cache.plan_packed_step(rows, [], decode_len, 0, 1, pad_decode=True, into=static.plan)
+        static.input_ids.view(-1).copy_(host_tensor(ids + [0] * (decode_len - len(ids)), static.input_ids.device))
+        static.mask.refresh(rows)
+        inputs = dict(input_ids=static.input_ids, position_ids=static.plan.position_ids, attention_mask=static.mask,
+                      use_cache=True, logits_to_keep=0, **{self.cache_argument: self.cache})
+        # the bucket's graph: besides the model's key it specialises on the bucket, the variants and kernels
+        kernels = self.linears.traced_kernels(decode_len) if self.linears is not None else ()
+        key = (self.key, decode_len, self.group, tuple(sorted(self.variants, key=repr)), kernels)
+        start = time.perf_counter()
+        logits = _compiled_decode_forward.keyed(key, self.model, inputs)[0]
+        self.steps += 1
+        return logits, time.perf_counter() - start
