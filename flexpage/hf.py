@@ -16,6 +16,7 @@ Only transformers' own extension points are used, and only on the model given:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 import types
@@ -25,12 +26,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.utils.hooks import RemovableHandle
-from transformers import CompileConfig, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from .attention import (fresh_prefill_attention, packed_attention, paged_attention, query_group, rows_attention,
                         sdpa_over_pages, sequence_attention)
+from .static_step import StaticSteps, compiles_by_default, decode_bucket
 from .cache import PagedKVCache
 from .errors import UnsupportedModelError
 from .linear import FewRowLinears
@@ -54,14 +57,14 @@ UNSUPPORTED_FLAGS = {
 @dataclass
 class PagedState:
     """What ``wrap`` keeps on a model (``paged_state(model)``): its paged cache, the stock settings
-    ``unwrap`` restores, the forward's name for the cache, the CPU linear kernels."""
+    ``unwrap`` restores, the forward's name for the cache, the CPU linear kernels, the static steps."""
 
     cache: PagedKVCache
     stock_implementation: str
     hook: RemovableHandle
-    stock_compile_config: CompileConfig | None
     cache_argument: str  # the forward's name for the KV cache (``cache_argument(model)``)
     linears: FewRowLinears | None
+    steps: StaticSteps | None  # the compiled static decode steps (``compile_decode``)
 
 
 def wrap(
@@ -70,7 +73,7 @@ def wrap(
     max_cached_tokens: int = 32768,
     max_batch_size: int = 32,
     max_seq_len: int | None = None,
-    compile_decode: bool = False,
+    compile_decode: bool | None = False,
     few_row_linears: bool = True,
     pack_weights: bool | None = False,
 ) -> PreTrainedModel:
@@ -84,19 +87,20 @@ def wrap(
     attention over many sequences runs faster over fewer, larger KV blocks) and the pool holds a
     page of 64, else 16.
 
-    ``compile_decode=True`` lets ``generate`` compile the whole decode forward once (through
-    transformers' own ``CompileConfig``, on every device, with inductor's weight freezing):
-    the pools never change shape, so that one graph serves every context length. Compiled
-    matmuls round differently from eager ones, so greedy tokens match the stock model only
-    up to near-ties of the logits; on the default path they have matched it in every test.
+    ``compile_decode=True`` runs ``generate``'s decode steps (one new token per sequence) as static
+    steps compiled per batch bucket, exactly as the Engine's (``flexpage.static_step``): each bucket
+    is compiled on its first step (ahead of time, saved: a later process loads it in about a
+    second), its inputs written in place, its linear layers and attention the eager path's kernels.
+    ``None`` compiles where the device policy measured it faster (the CPU), ``False`` (the default:
+    a ``generate`` call never waits on a compile) nowhere. Greedy tokens match the stock model's
+    (logits within float rounding of eager's).
 
     ``few_row_linears`` (the default) lets the linear layers of paged forwards on the CPU, when
     they get 1-65536 rows, take whichever of MKL's ``x @ W.T``, MKL's ``(W @ x.T).T`` and oneDNN's
     matmul measured fastest for that weight shape and row count on this CPU (``flexpage.linear``;
     last-bit differences, as paged attention has); the model's plain forwards are untouched. With
     ``compile_decode`` the kernels are timed when wrapping (each weight shape at 1 to
-    ``max_batch_size`` rows, a second or two), since the compiled decode forward is traced, not
-    run; it takes the faster of the two MKL forms (inductor cannot trace oneDNN's on a plain weight).
+    ``max_batch_size`` rows, a second or two), since a compiled step bakes its kernels in.
     ``pack_weights`` adds oneDNN on a copy of each weight in its blocked layout, laid out for
     ``max_batch_size`` rows, to those kernels: decode steps of many sequences get faster, for a
     second copy of the CPU layers' weights in memory. ``None`` packs when oneDNN is there and the copy needs at
@@ -130,15 +134,15 @@ def wrap(
     linears = FewRowLinears(model, _is_paged_call) if few_row_linears else None
     if linears is not None and (pack_weights or pack_weights is None and linears.packing_fits()):
         linears.pack(max_batch_size)
-    model._flexpage = PagedState(cache, stock, hook, model.generation_config.compile_config, cache_argument(model), linears)
-    if compile_decode:
-        for layer in cache.layers:
-            layer.is_compileable = True  # transformers compiles decode forwards only for such caches
-        config = CompileConfig(fullgraph=False, dynamic=False, mode=None, options={"freezing": True})
-        config._compile_all_devices = True  # transformers compiles on accelerators only, unless told
-        model.generation_config.compile_config = config
-        if linears is not None:
-            linears.measure(max_batch_size)  # decode rows: one per sequence
+    steps = None
+    if compile_decode or compile_decode is None and compiles_by_default(model, devices[0]):
+        lone = sdpa_over_pages(devices[0], getattr(model.config, "attn_logit_softcapping", None), 1)
+        steps = StaticSteps(model, cache, cache_argument(model), linears,
+                            {decode_bucket(n, lone) for n in range(1, max_batch_size + 1)}, lone)
+    model._flexpage = PagedState(cache, stock, hook, cache_argument(model), linears, steps)
+    if steps is not None:
+        steps.learn_alone()  # the layers' attention variants, which a static step builds first
+        model.forward = _shadowed_forward(model)
     model.generate = types.MethodType(_paged_generate, model)
     model.prepare_inputs_for_generation = types.MethodType(_paged_prepare_inputs, model)
     return model
@@ -159,8 +163,9 @@ def unwrap(model: PreTrainedModel) -> PreTrainedModel:
     if state.linears is not None:
         state.linears.remove()
     model.set_attn_implementation(state.stock_implementation)
-    model.generation_config.compile_config = state.stock_compile_config
     del model.generate, model.prepare_inputs_for_generation  # the class's methods show through again
+    if state.steps is not None:
+        del model.forward
     model._flexpage = None
     return model
 
@@ -319,6 +324,33 @@ def _paged_prepare_inputs(self: PreTrainedModel, *args: Any, **kwargs: Any) -> d
         # the generation-level 2-D padding mask (transformers may have expanded the forward's to 4-D)
         inputs["attention_mask"] = paged_step_mask(cache, tokens, kwargs.get("attention_mask"))
     return inputs
+
+
+def _shadowed_forward(model: PreTrainedModel) -> Any:
+    """``_paged_forward`` bound to ``model``, with its class forward's signature (``generate`` checks
+    its arguments against it): a new function per model, so no model's signature leaks to another's."""
+
+    @functools.wraps(type(model).forward)
+    def forward(self: PreTrainedModel, *args: Any, **kwargs: Any) -> Any:
+        return _paged_forward(self, *args, **kwargs)
+
+    return types.MethodType(forward, model)
+
+
+def _paged_forward(self: PreTrainedModel, *args: Any, **kwargs: Any) -> Any:
+    """``forward`` on a model wrapped with ``compile_decode``: a decode step of ``generate`` (its paged step
+    begun, one new token per sequence) runs its bucket's static step when that is compiled; every
+    other forward is the class's."""
+    state, mask = self._flexpage, kwargs.get("attention_mask")
+    plain = args or not isinstance(mask, PagedBlockMask) or mask.plan.q_len != 1 or kwargs.get("input_ids") is None
+    if plain or kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
+        return type(self).forward(self, *args, **kwargs)
+    rows = list(mask.plan.row_ids)
+    decode_len = state.steps.bucket(len(rows))
+    if not state.steps.ready(decode_len):
+        return type(self).forward(self, *args, **kwargs)
+    logits, _ = state.steps.run(rows, kwargs["input_ids"][:, -1].tolist(), decode_len)
+    return CausalLMOutputWithPast(logits=logits[: len(rows), None], **{state.cache_argument: state.cache})
 
 
 def _make_attention(stock: str):

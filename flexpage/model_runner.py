@@ -34,7 +34,7 @@ from .penalties import adjust_logits
 from .requests import TokenLogprobs
 from .sampling import Sampler, greedy_tokens
 from .sequence import Batch, Pick, Sequence
-from .static_step import StaticSteps, decode_bucket
+from .static_step import StaticSteps, compiles_by_default, decode_bucket
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +82,10 @@ class ModelRunner:
         # decode-only steps as static steps, one compiled graph per decode bucket (``StaticSteps``): every
         # bucket, none, or (None) the device policy's choice; not under tensor parallelism or device maps
         buckets = {self.decode_len(n) for n in range(1, max_batch_size + 1)}
-        alone = not getattr(model, "hf_device_map", None) and (getattr(model, "tp_size", None) or 1) == 1
         self.compile_decode = compile_decode
-        default = compile_decode is None and alone and device_policy(self.device).compile_decode
+        default = compile_decode is None and compiles_by_default(model, self.device)
         self.graphs = StaticSteps(model, cache, cache_argument, linears,
-                                  buckets if compile_decode or default else set())
+                                  buckets if compile_decode or default else set(), self.sdpa)
         self.compiled_steps = 0  # steps that ran a compiled graph
 
     # ------------------------------------------------------------------ a step

@@ -27,8 +27,17 @@ from .host import host_tensor, pow2_bucket
 from .linear import FewRowLinears
 from .masks import PackedBlockMask, StaticDecodeMask
 from .pages import PackedPlan, PageTable
+from .policy import device_policy
 
 Variants = set[tuple[int | None, float | None]]  # the layers' (sliding window, soft-cap) attention variants
+
+
+def compiles_by_default(model: PreTrainedModel, device: torch.device) -> bool:
+    """Whether ``compile_decode=None`` compiles ``model``'s decode steps: where the device policy
+    measured compiled steps faster, for a model alone in its process (not split by a device map
+    or tensor parallelism)."""
+    alone = not getattr(model, "hf_device_map", None) and (getattr(model, "tp_size", None) or 1) == 1
+    return alone and device_policy(device).compile_decode
 
 
 def decode_bucket(count: int, lone_row: bool) -> int:
@@ -94,9 +103,9 @@ class StaticSteps:
     kernel each layer takes, and the saved graphs are keyed by those choices."""
 
     def __init__(self, model: PreTrainedModel, cache: PagedKVCache, cache_argument: str,
-                 linears: FewRowLinears | None, buckets: set[int]) -> None:
+                 linears: FewRowLinears | None, buckets: set[int], lone_row: bool) -> None:
         self.model, self.cache, self.cache_argument, self.linears = model, cache, cache_argument, linears
-        self.buckets = set(buckets)
+        self.buckets, self.lone_row = set(buckets), lone_row
         if self.buckets and linears is not None:
             linears.measure(max(self.buckets))
         self.key = _model_key(model, cache) if self.buckets else None
@@ -105,6 +114,10 @@ class StaticSteps:
         self.variants: Variants = set()
         self.static: dict[int, StaticDecode] = {}  # each bucket's persistent step inputs
         self.steps = 0  # compiled steps run
+
+    def bucket(self, count: int) -> int:
+        """The bucket of a decode step of ``count`` sequences (``decode_bucket``)."""
+        return decode_bucket(count, self.lone_row)
 
     def ready(self, decode_len: int) -> bool:
         """Whether a decode-only step of ``decode_len`` rows runs compiled."""
@@ -116,6 +129,26 @@ class StaticSteps:
         plan = mask.plan
         if self.buckets and not self.variants and plan.decode_len > 1 and not plan.chunks:
             self.variants = mask.decode_variants()
+
+    def learn_alone(self) -> None:
+        """Learn the variants (``learn``) from one eager decode step of a scratch row, padded to two
+        rows so that FlexAttention, not SDPA, attends it; the pool is left as it was. For a cache no
+        engine steps (``wrap``): call it between generate calls, not inside one."""
+        if not self.buckets or self.variants:
+            return
+        row = self.cache.add_sequence()
+        try:
+            self.cache.reserve([row], [1])
+            plan = self.cache.plan_packed_step([row], [], 2, 0, 1, pad_decode=True)
+            mask = PackedBlockMask.for_step(self.cache.page_table, plan)
+            with torch.inference_mode():
+                self.model(input_ids=torch.zeros(1, 2, dtype=torch.int64, device=plan.position_ids.device),
+                           position_ids=plan.position_ids, attention_mask=mask, use_cache=True, logits_to_keep=1,
+                           **{self.cache_argument: self.cache})
+            self.learn(mask)
+        finally:
+            self.cache.free_sequence(row)
+            self.cache.step = None
 
     def run(self, rows: list[int], ids: list[int], decode_len: int) -> tuple[torch.Tensor, float]:
         """A decode-only step of the sequences in page-table ``rows`` (their slots reserved), fed

@@ -314,8 +314,10 @@ def test_compiled_decode_matches_stock_without_recompiles():
     ids2, mask2 = prompts((3, 50), seed=4)
     assert torch.equal(greedy(model, ids2, mask2, max_new_tokens=30), greedy(stock, ids2, mask2, max_new_tokens=30))
     assert compiled_graphs() == graphs  # a new prompt length reuses the decode graph (prefill bucket 64 too)
+    steps = flexpage.paged_state(model).steps
+    assert steps.steps >= 2 * 29 and steps.buckets >= {1, 2}  # every decode step but the first ran compiled
     flexpage.unwrap(model)
-    assert model.generation_config.compile_config is None
+    assert "forward" not in vars(model)  # the class's forward shows through again
 
 
 def repetitive_prompt() -> torch.Tensor:
