@@ -224,3 +224,32 @@ def test_a_compiled_forward_takes_the_traceable_kernel_measured_fastest(fresh_ch
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     assert bool(traced) == measured
     assert len(linear.ranking) == (6 if measured else 0) and not linear.trials
+
+
+def test_a_compiled_forward_reads_the_packed_copies_through_one_opaque_op(fresh_choices):
+    """Where oneDNN on a packed copy measured fastest, a compiled forward calls it through the
+    opaque op ``flexpage::packed_linear``, which finds the copy by the weight it is given: the
+    graph's products equal F.linear's, and a weight changed in place is re-packed."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.Linear(24, 24, bias=False))
+    linears = FewRowLinears(model, lambda kwargs: True)
+    linears.pack(4)
+    for layer in model:  # decided: the packed copy first at 2 rows
+        linear.ranking[linear.row_key(2, layer.weight, layer.bias, True)] = linear.candidates(packed=True)[::-1]
+    assert all(linears.traced_kernels(2)[i] == "onednn_packed" for i in range(2))
+    x = torch.randn(2, 16)
+    compiled = torch.compile(model, fullgraph=True, dynamic=False)
+
+    def reference():
+        first, second = model
+        hidden = F.linear(x.double(), first.weight.double(), first.bias.double())
+        return F.linear(hidden, second.weight.double())
+
+    with torch.no_grad():
+        out, code = run_and_get_code(compiled, x)
+        assert "packed_linear" in "\n".join(code)
+        torch.testing.assert_close(out.double(), reference(), rtol=1e-5, atol=1e-5)
+        model[1].weight.mul_(2)  # in place: the copy is taken again on the next call
+        torch.testing.assert_close(compiled(x).double(), reference(), rtol=1e-5, atol=1e-5)
+    linears.remove()
