@@ -261,11 +261,13 @@ def test_a_flood_of_disconnecting_clients_leaves_nothing_behind(served):
 
 
 def test_failed_step_fails_its_requests_and_the_server_goes_on(served, monkeypatch):
+    """The model's forward fails in a request's first step (its prompt: an eager step; the
+    decode steps after it run their compiled graphs, not the instance's ``forward``)."""
     real, calls = served.engine.model.forward, []
 
     def fails_once(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == 1:
             raise RuntimeError("device lost")
         return real(*args, **kwargs)
 

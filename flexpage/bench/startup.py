@@ -56,7 +56,7 @@ def run_child(config: str, model: str, cache_dir: str, engine_batch: int) -> dic
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
     out = subprocess.run([sys.executable, "-c", CHILD, config, model, str(engine_batch)], env=env,
                          check=True, capture_output=True, text=True, timeout=1800)
-    return {k: round(v, 2) for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
+    return {k: round(v, 4) for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
 
 
 def main(argv: list[str] | None = None) -> None:
