@@ -23,16 +23,16 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from .attention import sdpa_over_pages
+from ..core.attention import sdpa_over_pages
+from ..core.cache import PagedKVCache
+from ..core.compile import compile_static
+from ..core.host import cdiv, host_tensor
+from ..core.linear import FewRowLinears
+from ..core.masks import PackedBlockMask, StaticDecodeMask
+from ..core.pages import PackedPlan, PageTable
+from ..core.policy import device_policy
+from ..errors import OutOfPagesError, StepFailedError
 from .block_manager import BlockManager
-from .cache import PagedKVCache
-from .compile import compile_static
-from .errors import OutOfPagesError, StepFailedError
-from .linear import FewRowLinears
-from .policy import device_policy
-from .masks import PackedBlockMask, StaticDecodeMask
-from .pages import PackedPlan, PageTable
-from .host import cdiv, host_tensor
 from .penalties import adjust_logits
 from .requests import TokenLogprobs
 from .sampling import Sampler, greedy_tokens
