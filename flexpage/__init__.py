@@ -1,16 +1,16 @@
 """flexpage: a global paged KV cache for PyTorch models, served through FlexAttention."""
 
-from . import masks, mods
-from .attention import fresh_prefill_attention, packed_attention, paged_attention, sequence_attention
-from .cache import CacheStats, PagedKVCache
+from .core import masks, mods
+from .core.attention import fresh_prefill_attention, packed_attention, paged_attention, sequence_attention
+from .core.cache import CacheStats, PagedKVCache
+from .core.masks import PackedBlockMask, PagedBlockMask, SequenceKV, build_block_mask, paged_mask_mod, paged_score_mod
+from .core.pages import PackedPlan, PageTable, StepPlan
 from .engine import Engine
-from .requests import EngineStats, SamplingParams, StepOutput, TokenLogprobs
+from .engine.requests import EngineStats, SamplingParams, StepOutput, TokenLogprobs
+from .engine.speculative import DraftModel, NgramProposer
 from .errors import (FlexpageError, InvalidRequestError, OutOfPagesError, RequestFailedError, StepFailedError,
                      UnsupportedModelError)
 from .hf import PagedState, paged_state, unwrap, wrap
-from .masks import PackedBlockMask, PagedBlockMask, SequenceKV, build_block_mask, paged_mask_mod, paged_score_mod
-from .pages import PackedPlan, PageTable, StepPlan
-from .speculative import DraftModel, NgramProposer
 
 __all__ = [
     "CacheStats",

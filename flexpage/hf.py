@@ -31,15 +31,15 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from .attention import (fresh_prefill_attention, packed_attention, paged_attention, query_group, rows_attention,
-                        sdpa_over_pages, sequence_attention)
-from .static_step import StaticSteps, compiles_by_default, decode_bucket
-from .cache import PagedKVCache
+from .core.attention import (fresh_prefill_attention, packed_attention, paged_attention, query_group,
+                             rows_attention, sdpa_over_pages, sequence_attention)
+from .core.cache import PagedKVCache
+from .core.host import cdiv, pow2_bucket
+from .core.linear import FewRowLinears
+from .core.masks import PackedBlockMask, PagedBlockMask
+from .core.policy import device_policy
+from .core.static_step import StaticSteps, compiles_by_default, decode_bucket
 from .errors import UnsupportedModelError
-from .linear import FewRowLinears
-from .masks import PackedBlockMask, PagedBlockMask
-from .policy import device_policy
-from .host import cdiv, pow2_bucket
 
 FALLBACKS = {"sdpa": "flexpage", "eager": "flexpage_eager"}  # stock implementation -> our name
 # wrap's page size when none is given is the device policy's; a pool smaller than that gets pages of 16
@@ -97,7 +97,7 @@ def wrap(
 
     ``few_row_linears`` (the default) lets the linear layers of paged forwards on the CPU, when
     they get 1-65536 rows, take whichever of MKL's ``x @ W.T``, MKL's ``(W @ x.T).T`` and oneDNN's
-    matmul measured fastest for that weight shape and row count on this CPU (``flexpage.linear``;
+    matmul measured fastest for that weight shape and row count on this CPU (``flexpage.core.linear``;
     last-bit differences, as paged attention has); the model's plain forwards are untouched. With
     ``compile_decode`` the kernels are timed when wrapping (each weight shape at 1 to
     ``max_batch_size`` rows, a second or two), since a compiled step bakes its kernels in.

@@ -14,8 +14,8 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 import flexpage
 from flexpage import mods, zoo
-from flexpage.block_manager import BlockManager
-from flexpage.sampling import sample_tokens
+from flexpage.engine.block_manager import BlockManager
+from flexpage.engine.sampling import sample_tokens
 
 GARBAGE = 1e4  # what unwritten slots hold: any read of one shows up as a huge error
 

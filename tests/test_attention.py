@@ -18,9 +18,10 @@ from attention_cases import HEAD_DIM, MAX_CONTEXT, MAX_NEW, ROWS, run_case
 from reference import GARBAGE, make_cache, reference_attention, write_step
 
 import flexpage
-from flexpage import attention, masks, mods
+from flexpage import masks, mods
+from flexpage.core import attention
 from flexpage.bench.measure import compiled_graphs
-from flexpage.compile import AOT_ENV, compile_static
+from flexpage.core.compile import AOT_ENV, compile_static
 
 # (mode, page_size, mod, dtype, q_heads, kv_heads): one compile each
 CASES = [

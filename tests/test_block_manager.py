@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flexpage import OutOfPagesError
-from flexpage.sequence import Batch, Sequence
+from flexpage.engine.sequence import Batch, Sequence
 from reference import make_blocks, page_state
 
 

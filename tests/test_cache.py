@@ -139,7 +139,7 @@ def test_compiled_write_updates_the_pool_in_place():
 
     from torch._inductor.utils import run_and_get_code
 
-    from flexpage.cache import PagedLayer
+    from flexpage.core.cache import PagedLayer
 
     layer = PagedLayer(1000, 2, D, torch.float32, torch.device("cpu"))  # 1000 slots: a size nothing else has
 

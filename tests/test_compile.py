@@ -1,4 +1,4 @@
-"""Ahead-of-time compiled kernels (``flexpage.compile``): one graph per argument signature, saved
+"""Ahead-of-time compiled kernels (``flexpage.core.compile``): one graph per argument signature, saved
 to disk and loaded by a later process; results always against eager (or SDPA) references."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flexpage.compile import compile_static
+from flexpage.core.compile import compile_static
 
 pytestmark = pytest.mark.slow  # servers, subprocesses or notebooks
 
@@ -64,7 +64,7 @@ CHILD = r"""
 import json, sys, torch
 from torch._inductor import cpu_vec_isa
 from attention_cases import run_case
-from flexpage.compile import graph_counts
+from flexpage.core.compile import graph_counts
 probes = []
 probe = cpu_vec_isa.VecISA._probe_load
 cpu_vec_isa.VecISA._probe_load = lambda self, path: probes.append(str(self)) or probe(self, path)

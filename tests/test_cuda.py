@@ -11,7 +11,8 @@ from attention_cases import run_case
 from reference import assert_draws_follow_the_warpers
 
 import flexpage
-from flexpage import sampling, zoo
+from flexpage import zoo
+from flexpage.engine import sampling
 from flexpage.bench.measure import compiled_graphs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

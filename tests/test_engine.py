@@ -14,7 +14,9 @@ import pytest
 import torch
 
 import flexpage
-from flexpage import counters, linear, model_runner, zoo
+from flexpage import zoo
+from flexpage.core import linear
+from flexpage.engine import counters, model_runner
 from flexpage import InvalidRequestError
 from flexpage.bench.measure import compiled_graphs
 from reference import LENGTHS, NEW_TOKENS, VOCAB, make_engine, stock_adjusted, stock_greedy, workload
@@ -443,7 +445,7 @@ def test_compiled_decode_graphs_read_the_weights_at_each_call_and_load_in_a_late
     child = r"""
 import json, sys
 from flexpage import zoo
-from flexpage.compile import graph_counts
+from flexpage.core.compile import graph_counts
 from flexpage.bench.measure import compiled_graphs
 from flexpage import Engine
 from reference import NEW_TOKENS, stock_greedy, workload

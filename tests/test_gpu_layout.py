@@ -13,8 +13,8 @@ import torch
 from reference import make_cache
 
 from flexpage import masks
-from flexpage.attention import kernel_options
-from flexpage.masks import PackedBlockMask, PagedBlockMask
+from flexpage.core.attention import kernel_options
+from flexpage.core.masks import PackedBlockMask, PagedBlockMask
 
 PAGE = 16
 VARIANTS = [(None, None), (24, None), (None, 30.0)]  # (window, soft-cap)

@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 
 import flexpage
-from flexpage import linear, zoo
-from flexpage.linear import MAX_ROWS, FewRowLinears, fast_linear, onednn_linear, pack_weight, transposed_linear
+from flexpage import zoo
+from flexpage.core import linear
+from flexpage.core.linear import MAX_ROWS, FewRowLinears, fast_linear, onednn_linear, pack_weight, transposed_linear
 
 
 def packed_onednn_linear(x, weight, bias):

@@ -1,4 +1,4 @@
-"""KV pools on transparent huge pages (flexpage.memory): zeroed, aligned, advised, freed."""
+"""KV pools on transparent huge pages (flexpage.core.memory): zeroed, aligned, advised, freed."""
 
 import gc
 import mmap
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flexpage
-from flexpage import memory
+from flexpage.core import memory
 
 linux_only = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="MADV_HUGEPAGE is Linux's")
 

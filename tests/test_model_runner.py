@@ -10,7 +10,7 @@ import torch
 
 import flexpage
 from flexpage import OutOfPagesError, SamplingParams, StepFailedError, zoo
-from flexpage.sequence import Sequence, sample_generator
+from flexpage.engine.sequence import Sequence, sample_generator
 from reference import page_state, workload
 
 GREEDY = SamplingParams(max_new_tokens=8, eos_token_id=[])

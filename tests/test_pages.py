@@ -314,7 +314,7 @@ def test_prefix_pages_are_reused_then_evicted_least_recent_first():
 def test_host_tensor_equals_torch_tensor_and_owns_its_ints(values, dtype):
     """A step's index tensors wrap their ints' buffer on the CPU: same values, dtype and shape as
     ``torch.tensor``, valid after the caller's list is gone, and independent of later ones."""
-    from flexpage.host import host_tensor
+    from flexpage.core.host import host_tensor
 
     tensor = host_tensor(list(values), torch.device("cpu"), dtype)
     other = host_tensor([v + 1 for v in values], torch.device("cpu"), dtype)

@@ -64,13 +64,14 @@ def test_no_module_reads_the_wrapped_state_or_the_page_tables_internals():
     page table through its public methods, the pages by the scheduler only through the
     ``BlockManager``, and the server through the Engine's public API."""
     offenders = []
+    assert (ROOT / "flexpage/hf.py").is_file() and (ROOT / "flexpage/engine/scheduler.py").is_file()
     for path in sorted((ROOT / "flexpage").rglob("*.py")) + sorted((ROOT / "tests").glob("*.py")):
         text = path.read_text()
-        where = path.relative_to(ROOT)
-        if path.name != "hf.py" and "._flexpage" in text and path.name != "test_repository.py":
+        where = path.relative_to(ROOT).as_posix()
+        if where != "flexpage/hf.py" and "._flexpage" in text and path.name != "test_repository.py":
             offenders.append(f"{where}: _flexpage")
         offenders += [f"{where}: {m}" for m in re.findall(r"page_table\._\w+", text) if path.name != "test_repository.py"]
-        if path.name == "scheduler.py":  # pages through the block manager only
+        if where == "flexpage/engine/scheduler.py":  # pages through the block manager only
             offenders += [f"{where}: {m}" for m in re.findall(r"page_table|PagedKVCache|\bcache\.", text)]
         if "serve" in path.parts:
             offenders += [f"{where}: {m}" for m in re.findall(r"engine\.(?:_\w+|scheduler)", text)]
@@ -78,10 +79,12 @@ def test_no_module_reads_the_wrapped_state_or_the_page_tables_internals():
 
 
 def test_device_choices_are_the_policys():
-    """CPU-versus-accelerator choices are read from ``flexpage.policy`` (one object per device
+    """CPU-versus-accelerator choices are read from ``flexpage.core.policy`` (one object per device
     kind); only the CPU-only kernels (``linear``, ``memory``) check that their tensors are on the CPU."""
+    allowed = {f"flexpage/core/{name}.py" for name in ("policy", "linear", "memory")}
+    assert all((ROOT / path).is_file() for path in allowed)
     offenders = [f"{path.relative_to(ROOT)}: {m}" for path in sorted((ROOT / "flexpage").rglob("*.py"))
-                 if path.name not in ("policy.py", "linear.py", "memory.py") and "bench" not in path.parts
+                 if path.relative_to(ROOT).as_posix() not in allowed and "bench" not in path.parts
                  for m in re.findall(r"device\.type\s*[!=]=|\.is_cuda\b", path.read_text())]
     assert not offenders, offenders
 
@@ -126,10 +129,11 @@ def test_docs_quote_only_files_that_exist():
     assert quoted and not sorted(p for p in quoted if not (ROOT / p).exists())
 
 
-def test_modules_import_each_other_without_a_cycle():
-    """flexpage's modules form layers: no chain of module-level imports (``TYPE_CHECKING`` ones
-    included) leads from a module back to itself. An import inside a function (``DraftModel``
-    building an ``Engine``) is a use at run time, not a layer, and is not counted."""
+def module_imports() -> dict[str, set[str]]:
+    """Each flexpage module's module-level imports of other flexpage modules (``TYPE_CHECKING``
+    ones included). An import from a subpackage (``from ..engine import Engine``) runs its
+    ``__init__`` and counts as an edge to it; the top-level ``flexpage/__init__.py`` imports every
+    layer to re-export the public names and is not a target."""
     import ast
 
     package = ROOT / "flexpage"
@@ -143,13 +147,24 @@ def test_modules_import_each_other_without_a_cycle():
             if isinstance(node, ast.If):  # if TYPE_CHECKING: ...
                 imports = [n for n in node.body if isinstance(n, ast.ImportFrom)]
             for imp in imports:
-                if not imp.level:
+                if imp.level:
+                    target = ".".join(base[: len(base) - imp.level + 1] + ([imp.module] if imp.module else []))
+                elif imp.module.split(".")[0] == "flexpage":
+                    target = imp.module
+                else:
                     continue
-                target = ".".join(base[: len(base) - imp.level + 1] + ([imp.module] if imp.module else []))
                 for alias in imp.names:
                     sub = f"{target}.{alias.name}"
                     edges.add(sub if sub in modules else target if target in modules else f"{target}.__init__")
-        graph[name] = {e for e in edges if e in modules and not e.endswith("__init__") and e != "flexpage"}
+        graph[name] = {e for e in edges if e in modules and e not in ("flexpage.__init__", name)}
+    return graph
+
+
+def test_modules_import_each_other_without_a_cycle():
+    """flexpage's modules form layers: no chain of module-level imports leads from a module back
+    to itself. An import inside a function (``DraftModel`` building an ``Engine``) is a use at
+    run time, not a layer, and is not counted."""
+    graph = module_imports()
     state: dict[str, int] = {}
 
     def visit(node: str, path: list[str]) -> None:
@@ -161,5 +176,21 @@ def test_modules_import_each_other_without_a_cycle():
         state[node] = 2
 
     for name in sorted(graph):
-        if not name.endswith("__init__") and name not in state:
+        if name not in state:
             visit(name, [name])
+
+
+# The folders are the layers, bottom first; the rest (serve/, bench/, cli.py, __init__.py) sits on top.
+LAYERS = {"errors": 0, "zoo": 0, "core": 1, "hf": 2, "engine": 3}
+
+
+def test_layers_import_only_downward():
+    """The paged core (``flexpage/core``) knows nothing of transformers' wrapping (``hf.py``), which
+    knows nothing of the engine (``flexpage/engine``); the server and benchmarks sit on the engine."""
+    def layer(module: str) -> int:
+        return LAYERS.get(module.split(".")[1], len(LAYERS))
+
+    assert (ROOT / "flexpage/core/__init__.py").is_file() and (ROOT / "flexpage/engine/__init__.py").is_file()
+    upward = sorted(f"{source} -> {target}" for source, targets in module_imports().items() for target in targets
+                    if layer(target) > layer(source))
+    assert not upward, upward

@@ -1,4 +1,4 @@
-"""Picking next tokens (``flexpage.sampling``) against the reference: ``argmax`` for greedy
+"""Picking next tokens (``flexpage.engine.sampling``) against the reference: ``argmax`` for greedy
 rows, transformers' own warpers + softmax for sampled ones."""
 
 import pytest
@@ -6,8 +6,8 @@ import torch
 
 from reference import SETTINGS, assert_draws_follow_the_warpers, warped_probs
 
-from flexpage import sampling
-from flexpage.sampling import greedy_tokens, kept_candidates, sample_tokens, top_p_filtered
+from flexpage.engine import sampling
+from flexpage.engine.sampling import greedy_tokens, kept_candidates, sample_tokens, top_p_filtered
 
 
 @pytest.mark.parametrize("rows, vocab, dtype", [(1, 32000, torch.float32), (32, 32000, torch.float32),

@@ -7,8 +7,8 @@ made up here in place of a ModelRunner's; page counts are worked out by hand (16
 from __future__ import annotations
 
 from flexpage import SamplingParams
-from flexpage.scheduler import MAX_DRAFT_PAUSE, Scheduler
-from flexpage.sequence import Pick, Sequence
+from flexpage.engine.scheduler import MAX_DRAFT_PAUSE, Scheduler
+from flexpage.engine.sequence import Pick, Sequence
 from reference import make_blocks, page_state
 
 TOKEN = 1  # what the made-up picks pick unless told otherwise

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import flexpage
 from flexpage import zoo
 from flexpage.serve import build_app
-from flexpage.sampling import Sampler
+from flexpage.engine.sampling import Sampler
 from flexpage.serve.app import StopStrings
 from flexpage.serve.cli import serve
 from flexpage.serve.runner import EngineFailedError

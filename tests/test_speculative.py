@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from flexpage import SamplingParams, zoo
-from flexpage.speculative import NgramProposer
+from flexpage.engine.speculative import NgramProposer
 from reference import NEW_TOKENS, make_engine, stock_greedy, workload
 
 

@@ -26,8 +26,8 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from tqdm import tqdm
 
 import flexpage
-from flexpage.attention import query_group, rows_attention
-from flexpage.compile import compile_static
+from flexpage.core.attention import query_group, rows_attention
+from flexpage.core.compile import compile_static
 from flexpage.bench.measure import (
     add_run_arguments, caption, finish_axes, interleaved, save_figure, machine_info, out_dir, write_records)
 

@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         args.lengths, args.new_tokens, args.repeats = [64, 256], 8, 2
     sampling = SAMPLING[args.sample] if args.sample else {"do_sample": False}
 
-    largest_page = args.page_size or flexpage.policy.CPU_POLICY.page_size
+    largest_page = args.page_size or flexpage.core.policy.CPU_POLICY.page_size
     max_len = -(-(max(args.lengths) + args.new_tokens) // largest_page) * largest_page  # whole pages per row
     built = build_configs(args.model, args.batch * max_len, args.page_size, args.device, args.batch)
     config = built["stock_dynamic_sdpa"][0].config  # built whichever configurations are timed

@@ -24,8 +24,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LogitsProcessor
 
-from ..engine import Engine, SamplingParams
-from ..linear import cpu_model
+from ..core.linear import cpu_model
+from ..engine import Engine
+from ..engine.requests import SamplingParams
 
 
 def engine_generate(engine: Engine, prompts: list[list[int]], max_new_tokens: list[int] | int
@@ -112,7 +113,7 @@ def compiled_graphs() -> int:
     (difference two readings to count recompiles)."""
     from torch._dynamo.utils import counters
 
-    from flexpage.compile import graph_counts
+    from flexpage.core.compile import graph_counts
 
     return counters["stats"]["unique_graphs"] + graph_counts()["held"]
 

@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from ..engine import Engine
-from ..requests import SamplingParams, TokenLogprobs
+from ..engine.requests import SamplingParams, TokenLogprobs
 from ..errors import InvalidRequestError
 from .metrics import Metrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, ErrorBody, ErrorResponse, PromptTokensDetails,

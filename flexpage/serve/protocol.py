@@ -14,8 +14,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..requests import SEED_RANGE
-from ..penalties import MAX_BIAS, MAX_PENALTY, REPETITION_PENALTY_RANGE
+from ..engine.requests import SEED_RANGE
+from ..engine.penalties import MAX_BIAS, MAX_PENALTY, REPETITION_PENALTY_RANGE
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 512  # characters per stop string

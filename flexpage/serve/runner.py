@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..engine import Engine
-from ..requests import SamplingParams, TokenLogprobs
+from ..engine.requests import SamplingParams, TokenLogprobs
 from ..errors import StepFailedError
 from .metrics import Metrics
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 from typing import Sequence as Seq
 
-from .errors import InvalidRequestError
+from ..errors import InvalidRequestError
 from .penalties import MAX_BIAS, MAX_PENALTY, REPETITION_PENALTY_RANGE
 from .sampling import MIN_TEMPERATURE
 
@@ -20,7 +20,7 @@ SEED_RANGE = (-(2**63), 2**63 - 1)  # int64, as vLLM's; a generator takes seed +
 @dataclass(frozen=True)
 class SamplingParams:
     """Generation options, named as in transformers' ``GenerationConfig`` (and as OpenAI's API names
-    the penalties and bias it adds; see ``flexpage.penalties``)."""
+    the penalties and bias it adds; see ``flexpage.engine.penalties``)."""
 
     max_new_tokens: int = 16
     do_sample: bool = False

@@ -15,8 +15,8 @@ import time
 from collections import deque
 from typing import Callable
 
+from ..core.host import cdiv
 from .block_manager import BlockManager
-from .host import cdiv
 from .requests import StepOutput
 from .sequence import Batch, Pick, Sequence
 from .speculative import BatchProposer

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from .cache import CacheStats
+from ..core.cache import CacheStats
 from .model_runner import StepResult
 from .requests import StepOutput, StepSummary
 from .sequence import Batch

@@ -13,8 +13,8 @@ import hashlib
 from array import array
 from typing import Iterable
 
-from .cache import PagedKVCache
-from .host import cdiv
+from ..core.cache import PagedKVCache
+from ..core.host import cdiv
 from .sequence import Batch, Sequence
 
 

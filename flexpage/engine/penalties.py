@@ -21,7 +21,7 @@ from typing import Collection, Mapping, Protocol, Sequence
 import torch
 from torch import Tensor
 
-from .host import host_tensor
+from ..core.host import host_tensor
 
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| at most (OpenAI's range)
 MAX_BIAS = 100.0  # |logit_bias| values at most (OpenAI's range)

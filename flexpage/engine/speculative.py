@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 from transformers import PreTrainedModel
 
-from .errors import FlexpageError
+from ..errors import FlexpageError
 from .requests import SamplingParams
 
 Proposer = Callable[[Sequence[int], int], list[int]]  # one sequence's tokens, k -> its drafts

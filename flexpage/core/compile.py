@@ -112,7 +112,7 @@ def _code_version() -> str:
     except PackageNotFoundError:
         transformers = "-"
     digest = hashlib.sha256(f"{torch.__version__}|{transformers}".encode())
-    for path in sorted(Path(__file__).parent.rglob("*.py")):
+    for path in sorted(Path(__file__).parents[1].rglob("*.py")):  # the whole flexpage package, not only core/
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .errors import FlexpageError
+from ..errors import FlexpageError
 
 
 class RankDivergenceError(FlexpageError, RuntimeError):

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .errors import OutOfPagesError
+from ..errors import OutOfPagesError
 from .host import cdiv, host_tensor
 from .policy import device_policy
 

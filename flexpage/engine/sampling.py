@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .policy import device_policy
+from ..core.policy import device_policy
 
 NUCLEUS_TRIES = 4  # draws a top-p row may reject before its nucleus is computed (at p = 0.9: 1e-4 of rows)
 FIRST_WIDTH = 256  # where top_p_filtered looks for its threshold first (a radix select if they miss the nucleus)

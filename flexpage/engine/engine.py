@@ -20,10 +20,10 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from ..errors import InvalidRequestError, RequestFailedError
+from ..hf import paged_state, wrap
 from .block_manager import BlockManager
 from .counters import Counters
-from .errors import InvalidRequestError, RequestFailedError
-from .hf import paged_state, wrap
 from .model_runner import ModelRunner
 from .parallel import RankSync
 from .requests import (EngineStats, SamplingParams, StepOutput, StepSummary, checked_prompt,

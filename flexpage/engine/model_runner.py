@@ -21,20 +21,19 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from .attention import sdpa_over_pages
+from ..core.attention import sdpa_over_pages
+from ..core.cache import PagedKVCache
+from ..core.host import cdiv, host_tensor, pow2_bucket
+from ..core.linear import FewRowLinears
+from ..core.masks import PackedBlockMask
+from ..core.pages import PackedPlan
+from ..core.static_step import StaticSteps, compiles_by_default, decode_bucket
+from ..errors import OutOfPagesError, StepFailedError
 from .block_manager import BlockManager
-from .cache import PagedKVCache
-from .errors import OutOfPagesError, StepFailedError
-from .linear import FewRowLinears
-from .policy import device_policy
-from .masks import PackedBlockMask
-from .pages import PackedPlan
-from .host import cdiv, host_tensor, pow2_bucket
 from .penalties import adjust_logits
 from .requests import TokenLogprobs
 from .sampling import Sampler, greedy_tokens
 from .sequence import Batch, Pick, Sequence
-from .static_step import StaticSteps, compiles_by_default, decode_bucket
 
 log = logging.getLogger(__name__)
 
