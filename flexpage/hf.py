@@ -286,7 +286,7 @@ def paged_step_mask(cache: PagedKVCache, inputs: torch.Tensor, attention_mask: t
     batch, q_len = inputs.shape[:2]
     counts = new_token_counts(attention_mask, batch, q_len)
     plan = cache.begin_batch_step(counts, bucket(q_len), positions=q_len)
-    return PagedBlockMask.for_step(cache.page_table, plan, lazy=not cache.is_compileable)
+    return PagedBlockMask.for_step(cache.page_table, plan)
 
 
 def _paged_cache(kwargs: dict) -> PagedKVCache | None:

@@ -130,8 +130,7 @@ def test_static_decode_step_rewrites_its_tensors_in_place_and_attends_like_the_r
     mask = masks.StaticDecodeMask.over(cache.page_table, plan, variants, group)
     addresses = [t.data_ptr() for t in mask.tensors()]
     for step in ([rows[0], rows[1], rows[3]], [rows[4], rows[2], rows[1], rows[0]], [rows[3]]):
-        cache.reserve(step, [1] * len(step))
-        assert cache.plan_packed_step(step, [], DECODE_LEN, 0, 1, pad_decode=True, into=plan) is plan
+        assert cache.begin_packed_step(step, [], DECODE_LEN, 0, 1, pad_decode=True, into=plan) is plan
         mask.refresh(step)
         new_k, new_v = torch.randn(1, HKV, DECODE_LEN, D), torch.randn(1, HKV, DECODE_LEN, D)
         k_pool, v_pool = cache.update(new_k, new_v, 0)

@@ -46,8 +46,8 @@ class PagedLayer(CacheLayerMixin):
     The extra page at the end is the sink that absorbs padding writes; it is never attended.
     """
 
-    # transformers compiles decode forwards over caches whose layers are all compileable;
-    # flexpage opts a cache in per layer only for wrap(compile_decode=True).
+    # transformers compiles decode forwards over caches whose layers are all compileable; flexpage
+    # compiles its own static steps instead (``static_step``), so generate() never does
     is_compileable = False
     is_croppable = True  # ``PagedKVCache.crop`` truncates rows: assisted generation's rollback
 
@@ -161,28 +161,17 @@ class PagedKVCache(Cache):
         chunk_len: int,
         chunk_block: int = 16,
         pad_decode: bool = False,
-    ) -> PackedPlan:
-        """Reserve room for a ragged step (``reserve``) and plan it (``plan_packed_step``): one token
-        for each of ``decode_rows`` and ``(row, num_tokens)`` prefill chunks. All or nothing, as
-        ``begin_step``."""
-        check_packed_layout(len(decode_rows), [n for _, n in chunks], decode_len, chunk_len, chunk_block)
-        self.reserve([*decode_rows, *(row for row, _ in chunks)], [1] * len(decode_rows) + [n for _, n in chunks])
-        return self.plan_packed_step(decode_rows, chunks, decode_len, chunk_len, chunk_block, pad_decode)
-
-    def plan_packed_step(
-        self,
-        decode_rows: Sequence[int],
-        chunks: Sequence[tuple[int, int]],
-        decode_len: int,
-        chunk_len: int,
-        chunk_block: int = 16,
-        pad_decode: bool = False,
         into: PackedPlan | None = None,
+        reserved: bool = False,
     ) -> PackedPlan:
-        """Plan a ragged step over tokens already reserved (``reserve``): each of ``decode_rows``
-        feeds its last token, each ``(row, num_tokens)`` chunk its last ``num_tokens``, packed as
-        ``PageTable.plan_packed`` describes (``into``: rewriting a static plan's tensors)."""
+        """Reserve room for a ragged step (``reserve``; not if its tokens are ``reserved`` already, as
+        the Engine's are when it schedules them) and plan it: each of ``decode_rows`` feeds its last
+        token, each ``(row, num_tokens)`` prefill chunk its last ``num_tokens``, packed as
+        ``PageTable.plan_packed`` describes (``into``: rewriting a static plan's tensors). All or
+        nothing, as ``begin_step``."""
         check_packed_layout(len(decode_rows), [n for _, n in chunks], decode_len, chunk_len, chunk_block)
+        if not reserved:
+            self.reserve([*decode_rows, *(row for row, _ in chunks)], [1] * len(decode_rows) + [n for _, n in chunks])
         self.step = self.page_table.plan_packed(decode_rows, chunks, decode_len, chunk_len, chunk_block, pad_decode,
                                                 into)
         self._written = set()

@@ -197,14 +197,11 @@ class PagedBlockMask(_StepMask):
     plan: StepPlan
 
     @classmethod
-    def for_step(cls, page_table: PageTable, plan: StepPlan, lazy: bool = True) -> "PagedBlockMask":
-        """The step's mask; ``lazy=False`` builds the FlexAttention metadata now (a compiled
-        forward must receive it ready, not build it while being traced)."""
+    def for_step(cls, page_table: PageTable, plan: StepPlan) -> "PagedBlockMask":
+        """The step's mask (its FlexAttention metadata built when a layer first asks)."""
         mask = cls.__new__(cls)
         mask._start(page_table, plan.q_len, len(plan.row_ids))
         mask.plan, mask.BLOCK_SIZE = plan, (Q_BLOCK_SIZE, page_table.page_size)
-        if not lazy:
-            mask.with_window(None)
         return mask
 
     def _causal(self) -> BlockMask:

@@ -6,7 +6,8 @@ inputs in tensors built once and rewritten in place every step (``StaticDecode``
 positions, slots, rows, the mask's block metadata), and one graph compiled ahead of time over them
 (``compile.StaticCompiled``, saved: a later process loads it in about a second). Inside the graph
 the linear layers call oneDNN on their packed weights and attention runs the eager kernels, both as
-opaque ops, so a compiled step is never slower than the eager one. The Engine's runner and
+opaque ops: inductor's own were slower on the CPU, and with them the compiled step measured faster
+than the eager one at every bucket (``flexpage bench steps``). The Engine's runner and
 ``wrap(compile_decode=True)`` both step through ``StaticSteps``: one mechanism.
 """
 
@@ -57,8 +58,7 @@ class StaticDecode:
     mask: StaticDecodeMask
 
     @classmethod
-    def build(cls, page_table: PageTable, decode_len: int, variants: set[tuple[int | None, float | None]],
-              group: int) -> "StaticDecode":
+    def build(cls, page_table: PageTable, decode_len: int, variants: Variants, group: int) -> "StaticDecode":
         plan = page_table.static_plan(decode_len)
         input_ids = torch.zeros(1, decode_len, dtype=torch.int64, device=page_table.device)
         return cls(input_ids, plan, StaticDecodeMask.over(page_table, plan, variants, group))
@@ -138,8 +138,7 @@ class StaticSteps:
             return
         row = self.cache.add_sequence()
         try:
-            self.cache.reserve([row], [1])
-            plan = self.cache.plan_packed_step([row], [], 2, 0, 1, pad_decode=True)
+            plan = self.cache.begin_packed_step([row], [], 2, 0, 1, pad_decode=True)
             mask = PackedBlockMask.for_step(self.cache.page_table, plan)
             with torch.inference_mode():
                 self.model(input_ids=torch.zeros(1, 2, dtype=torch.int64, device=plan.position_ids.device),
@@ -158,7 +157,7 @@ class StaticSteps:
         if static is None:
             static = self.static[decode_len] = StaticDecode.build(self.cache.page_table, decode_len, self.variants,
                                                                   self.group)
-        self.cache.plan_packed_step(rows, [], decode_len, 0, 1, pad_decode=True, into=static.plan)
+        self.cache.begin_packed_step(rows, [], decode_len, 0, 1, pad_decode=True, into=static.plan, reserved=True)
         static.input_ids.view(-1).copy_(host_tensor(ids + [0] * (decode_len - len(ids)), static.input_ids.device))
         static.mask.refresh(rows)
         inputs = dict(input_ids=static.input_ids, position_ids=static.plan.position_ids, attention_mask=static.mask,

@@ -159,8 +159,8 @@ class ModelRunner:
             except Exception as error:  # the step's tokens were never computed (the scheduler rolls them back)
                 raise StepFailedError([seq.index for seq in batch.stepped], error) from error
             return logits[: len(ids)], list(enumerate(batch.decode)), [], decode_len, 0, seconds
-        plan = self.cache.plan_packed_step(
-            [s.row for s in batch.decode], [(s.row, n) for s, n in chunks], decode_len, chunk_len, block)
+        plan = self.cache.begin_packed_step(
+            [s.row for s in batch.decode], [(s.row, n) for s, n in chunks], decode_len, chunk_len, block, reserved=True)
         keep, sampled = list(range(len(batch.decode))), list(batch.decode)  # positions whose logits pick a token
         for seq, n in batch.chunks:
             span = cdiv(n, block) * block
@@ -318,8 +318,8 @@ class ModelRunner:
                 chunks = [(_scratch(n), n) for n in sizes]
             batch = Batch([_scratch(1) for _ in range(min(decode_len, self.max_batch_size))], chunks)
             with _scratch_rows(blocks, batch):
-                plan = self.cache.plan_packed_step([s.row for s in batch.decode], [(s.row, n) for s, n in chunks],
-                                                   decode_len, chunk_len, self.chunk_block)
+                plan = self.cache.begin_packed_step([s.row for s in batch.decode], [(s.row, n) for s, n in chunks],
+                                                    decode_len, chunk_len, self.chunk_block, reserved=True)
                 self._logits([0] * plan.q_len, plan, list(range(max(len(batch.decode), 1))))  # LM head: decode rows
         # then the compiled decode graphs, twice over: the first forward of a model sets state that
         # the graphs compiled before it guard on (transformers' kernel hub), so the second builds it
