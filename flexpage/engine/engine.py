@@ -1,10 +1,10 @@
 """Engine: many requests over one paged pool, with continuous batching and ragged steps.
 
-A step is a loop over three parts: the ``Scheduler`` picks the sequences and their token counts
-(a decode token for every running sequence that has finished its prompt, prefill chunks of
-others), the ``ModelRunner`` runs them as one packed forward (no padding between sequences)
-and picks their next tokens, and the Engine appends them, finishes what ended and keeps the
-records and stats. Requests enter here, checked, and under tensor parallelism every rank takes
+A step is three calls: the ``Scheduler`` picks the sequences and their token counts (a decode
+token for every running sequence that has finished its prompt, prefill chunks of others) and
+reserves their slots, the ``ModelRunner`` runs them as one packed forward (no padding between
+sequences) and picks their next tokens, and the ``Scheduler`` appends them and finishes what
+ended; the Engine keeps the records and stats. Requests enter here, checked, and under tensor parallelism every rank takes
 the same steps.
 """
 
@@ -38,9 +38,10 @@ class Engine:
     ``max_batch_size`` sequences run at once; a step feeds at most ``max_tokens_per_step`` tokens
     (decode tokens plus prefill chunks). The model is wrapped with ``flexpage.wrap`` (don't call its
     ``generate()`` while the engine serves). ``warmup`` compiles every step shape when the engine is
-    built, so serving never waits on a compile, including the whole forward of decode-only steps,
-    one graph per decode bucket, where ``compile_decode`` asks (None: the buckets where the device
-    policy measured it faster than eager; True: every bucket; False: none).
+    built, so serving never waits on a compile, including the decode-only steps, one static step
+    per decode bucket (``core.static_step``), where ``compile_decode`` asks (None: the device
+    policy's choice, every bucket on the CPU, where they measured faster than eager; True: every
+    bucket; False: none; the same option as ``wrap``'s).
 
     Under tensor parallelism (a model loaded with transformers' ``DistributedConfig``) build the
     engine on every rank; requests enter on rank 0, which broadcasts them (over ``tp_group``, gloo

@@ -1,12 +1,13 @@
 """ModelRunner: one scheduled batch through the model, and the next token of each sequence.
 
-It turns a ``Batch`` into the step's inputs (token ids, positions, the packed plan and its
-``PackedBlockMask``), runs one forward, and picks the next tokens: penalties and bias, greedy or
-sampled (each request with its own generator), logprobs, a request whose pick fails failing
-alone. It owns the step shapes: attention's region sizes are bucketed (powers of two), so a few
-compiled attention graphs serve every mix of lengths, all compiled by ``warmup()``; the linear
-layers see each decode token once (17 decode tokens are 17 rows, not a bucket of 32). Compiled
-and graph-captured steps belong here.
+It turns a ``Batch`` (its slots reserved when it was scheduled) into the step's inputs (token ids,
+positions, the packed plan and its ``PackedBlockMask``), runs one forward, and picks the next
+tokens: penalties and bias, greedy or sampled (each sequence with its own generator), logprobs, a
+request whose pick fails failing alone. It owns the step shapes: attention's region sizes are
+bucketed (powers of two), so a few compiled attention graphs serve every mix of lengths, all
+compiled by ``warmup()``; an eager step's linear layers see each decode token once (17 decode
+tokens are 17 rows, not a bucket of 32). A decode-only step of a compiled bucket runs as its
+static step (``core.static_step``).
 """
 
 from __future__ import annotations
