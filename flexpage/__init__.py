@@ -7,7 +7,8 @@ from .core.masks import PackedBlockMask, PagedBlockMask, SequenceKV, build_block
 from .core.pages import PackedPlan, PageTable, StepPlan
 from .engine import Engine
 from .engine.requests import EngineStats, SamplingParams, StepOutput, TokenLogprobs
-from .engine.speculative import DraftModel, NgramProposer
+from .engine.engine import DraftModel
+from .engine.speculative import NgramProposer
 from .errors import (FlexpageError, InvalidRequestError, OutOfPagesError, RequestFailedError, StepFailedError,
                      UnsupportedModelError)
 from .hf import PagedState, paged_state, unwrap, wrap

@@ -130,9 +130,9 @@ def test_docs_quote_only_files_that_exist():
 
 
 def module_imports() -> dict[str, set[str]]:
-    """Each flexpage module's module-level imports of other flexpage modules (``TYPE_CHECKING``
-    ones included). An import from a subpackage (``from ..engine import Engine``) runs its
-    ``__init__`` and counts as an edge to it; the top-level ``flexpage/__init__.py`` imports every
+    """Each flexpage module's imports of other flexpage modules, wherever they stand (``TYPE_CHECKING``
+    ones and imports inside functions included: a lazy import is a dependency all the same). An
+    import from a subpackage (``from ..engine import Engine``) runs its ``__init__`` and counts as an edge to it; the top-level ``flexpage/__init__.py`` imports every
     layer to re-export the public names and is not a target."""
     import ast
 
@@ -142,28 +142,25 @@ def module_imports() -> dict[str, set[str]]:
     for name, path in modules.items():
         base = name.split(".")[:-1]  # the module's package ("flexpage.__init__" included)
         edges = set()
-        for node in ast.parse(path.read_text()).body:
-            imports = [node] if isinstance(node, ast.ImportFrom) else []
-            if isinstance(node, ast.If):  # if TYPE_CHECKING: ...
-                imports = [n for n in node.body if isinstance(n, ast.ImportFrom)]
-            for imp in imports:
-                if imp.level:
-                    target = ".".join(base[: len(base) - imp.level + 1] + ([imp.module] if imp.module else []))
-                elif imp.module.split(".")[0] == "flexpage":
-                    target = imp.module
-                else:
-                    continue
-                for alias in imp.names:
-                    sub = f"{target}.{alias.name}"
-                    edges.add(sub if sub in modules else target if target in modules else f"{target}.__init__")
+        for imp in ast.walk(ast.parse(path.read_text())):  # module level, TYPE_CHECKING and in functions
+            if not isinstance(imp, ast.ImportFrom):
+                continue
+            if imp.level:
+                target = ".".join(base[: len(base) - imp.level + 1] + ([imp.module] if imp.module else []))
+            elif imp.module.split(".")[0] == "flexpage":
+                target = imp.module
+            else:
+                continue
+            for alias in imp.names:
+                sub = f"{target}.{alias.name}"
+                edges.add(sub if sub in modules else target if target in modules else f"{target}.__init__")
         graph[name] = {e for e in edges if e in modules and e not in ("flexpage.__init__", name)}
     return graph
 
 
 def test_modules_import_each_other_without_a_cycle():
-    """flexpage's modules form layers: no chain of module-level imports leads from a module back
-    to itself. An import inside a function (``DraftModel`` building an ``Engine``) is a use at
-    run time, not a layer, and is not counted."""
+    """flexpage's modules form layers: no chain of imports, lazy ones included, leads from a module
+    back to itself."""
     graph = module_imports()
     state: dict[str, int] = {}
 

@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from ..errors import InvalidRequestError, RequestFailedError
+from ..errors import FlexpageError, InvalidRequestError, RequestFailedError
 from ..hf import paged_state, wrap
 from .block_manager import BlockManager
 from .counters import Counters
@@ -51,7 +51,7 @@ class Engine:
     by default when they need at most a quarter of the memory available).
 
     ``speculative``: ``"ngram"`` (prompt lookup in each request's tokens), a draft model (an Engine
-    of its own, ``speculative.DraftModel``) or a proposer ``(tokens, k) -> drafts``. Each decoding
+    of its own, ``DraftModel``) or a proposer ``(tokens, k) -> drafts``. Each decoding
     sequence then verifies up to ``num_speculative_tokens`` drafts in the step's forward and keeps
     those the model agrees with, and one token more: exactly the tokens without speculation.
     ``adaptive_speculation`` shortens and pauses drafts that keep failing (``Scheduler.settle``).
@@ -83,9 +83,10 @@ class Engine:
         self.runner = ModelRunner(self.model, self.cache, state.cache_argument, max_batch_size, max_tokens_per_step,
                                   compile_decode, state.linears)
         self.blocks = BlockManager(self.cache, prefix_caching)
-        drafts = proposer(speculative, num_speculative_tokens, self.model.config.vocab_size, dict(
-            page_size=page_size, max_cached_tokens=max_cached_tokens, max_batch_size=max_batch_size,
-            max_tokens_per_step=max_tokens_per_step, max_seq_len=max_seq_len, warmup=warmup))
+        draft_options = dict(page_size=page_size, max_cached_tokens=max_cached_tokens, max_batch_size=max_batch_size,
+                             max_tokens_per_step=max_tokens_per_step, max_seq_len=max_seq_len, warmup=warmup)
+        drafts = proposer(speculative, num_speculative_tokens, self.model.config.vocab_size,
+                          lambda draft: DraftModel(draft, **draft_options))
         self.scheduler = Scheduler(self.blocks, max_batch_size, max_tokens_per_step, self.runner.chunk_block, drafts,
                                    num_speculative_tokens, adaptive_speculation)
         self.warmup_seconds, self._next_index = 0.0, 0
@@ -306,3 +307,25 @@ class Engine:
         """What each of the latest steps did (``StepSummary``), oldest first."""
         return self.counters.history
 
+
+class DraftModel:
+    """Drafts from a smaller model with the target's vocabulary: an ``Engine`` of its own (its own
+    pool; prefix caching, so each step recomputes only its sequences' tokens since their last full
+    cached page), run for every speculating sequence at once, ``k`` greedy tokens each.
+
+    ``options`` are the draft Engine's (``max_cached_tokens`` should hold the target's running
+    sequences: the target Engine passes its own)."""
+
+    def __init__(self, model: PreTrainedModel, **options: Any) -> None:
+        self.engine = Engine(model, **options)
+
+    def __call__(self, asks: list[tuple[Seq[int], int]]) -> list[list[int]]:
+        indices = [self.engine.add_request(list(tokens), SamplingParams(max_new_tokens=k, eos_token_id=[]))
+                   for tokens, k in asks]
+        drafts: dict[int, list[int]] = {index: [] for index in indices}
+        try:
+            for record in self.engine.run():
+                drafts[record.index].append(record.token)
+        except FlexpageError:  # a draft that fails costs only its speculation: keep what was drafted
+            self.engine.abort(indices)
+        return [drafts[index] for index in indices]

@@ -9,12 +9,10 @@ and keeps the longest prefix the model agrees with.
 from __future__ import annotations
 
 from array import array
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from transformers import PreTrainedModel
 
-from ..errors import FlexpageError
-from .requests import SamplingParams
 
 Proposer = Callable[[Sequence[int], int], list[int]]  # one sequence's tokens, k -> its drafts
 BatchProposer = Callable[[list[tuple[Sequence[int], int]]], list[list[int]]]  # a step's (tokens, k) -> drafts
@@ -45,36 +43,12 @@ class NgramProposer:
         return []
 
 
-class DraftModel:
-    """Drafts from a smaller model with the target's vocabulary: an ``Engine`` of its own (its own
-    pool; prefix caching, so each step recomputes only its sequences' tokens since their last full
-    cached page), run for every speculating sequence at once, ``k`` greedy tokens each.
-
-    ``options`` are the draft Engine's (``max_cached_tokens`` should hold the target's running
-    sequences: the target Engine passes its own)."""
-
-    def __init__(self, model: PreTrainedModel, **options: Any) -> None:
-        from .engine import Engine  # the Engine builds this proposer: imported when it is used
-
-        self.engine = Engine(model, **options)
-
-    def __call__(self, asks: list[tuple[Sequence[int], int]]) -> list[list[int]]:
-        indices = [self.engine.add_request(list(tokens), SamplingParams(max_new_tokens=k, eos_token_id=[]))
-                   for tokens, k in asks]
-        drafts: dict[int, list[int]] = {index: [] for index in indices}
-        try:
-            for record in self.engine.run():
-                drafts[record.index].append(record.token)
-        except FlexpageError:  # a draft that fails costs only its speculation: keep what was drafted
-            self.engine.abort(indices)
-        return [drafts[index] for index in indices]
-
-
 def proposer(speculative: str | Proposer | PreTrainedModel | None, k: int, vocab_size: int,
-             draft_options: dict[str, Any]) -> BatchProposer | None:
+             draft_model: Callable[[PreTrainedModel], BatchProposer]) -> BatchProposer | None:
     """The draft source ``speculative`` names, as a proposer of a step's drafts at once: ``"ngram"``,
-    a draft model (a ``DraftModel`` with ``draft_options``), a proposer ``(tokens, k) -> drafts`` of
-    one's own, or None (no speculation). Drafts stop at their first token outside the vocabulary."""
+    a draft model (made a proposer by ``draft_model``: the Engine's ``DraftModel``), a proposer
+    ``(tokens, k) -> drafts`` of one's own, or None (no speculation). Drafts stop at their first
+    token outside the vocabulary."""
     if speculative is None:
         return None
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
@@ -83,7 +57,7 @@ def proposer(speculative: str | Proposer | PreTrainedModel | None, k: int, vocab
         if speculative.config.vocab_size != vocab_size:
             raise ValueError(f"the draft model's vocabulary ({speculative.config.vocab_size} tokens) must be the "
                              f"target's ({vocab_size})")
-        batch = DraftModel(speculative, **draft_options)
+        batch = draft_model(speculative)
     elif speculative == "ngram" or callable(speculative):
         one = NgramProposer() if speculative == "ngram" else speculative
         batch = lambda asks: [one(tokens, limit) for tokens, limit in asks]  # noqa: E731
