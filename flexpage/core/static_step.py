@@ -56,12 +56,14 @@ class StaticDecode:
     input_ids: torch.Tensor  # [1, decode_len]
     plan: PackedPlan
     mask: StaticDecodeMask
+    key: tuple  # the bucket's graph's key (``StaticCompiled.keyed``)
 
     @classmethod
-    def build(cls, page_table: PageTable, decode_len: int, variants: Variants, group: int) -> "StaticDecode":
+    def build(cls, page_table: PageTable, decode_len: int, variants: Variants, group: int,
+              key: tuple) -> "StaticDecode":
         plan = page_table.static_plan(decode_len)
         input_ids = torch.zeros(1, decode_len, dtype=torch.int64, device=page_table.device)
-        return cls(input_ids, plan, StaticDecodeMask.over(page_table, plan, variants, group))
+        return cls(input_ids, plan, StaticDecodeMask.over(page_table, plan, variants, group), key)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor a step writes in place and the compiled forward reads."""
@@ -155,17 +157,18 @@ class StaticSteps:
         Returns every row's logits (the padding rows' too) and the seconds the model took."""
         static = self.static.get(decode_len)
         if static is None:
+            # the bucket's graph: besides the model's key it specialises on the bucket, the variants and
+            # the linear kernels it bakes in (measured before it was built), so its key is taken once
+            kernels = self.linears.traced_kernels(decode_len) if self.linears is not None else ()
+            key = (self.key, decode_len, self.group, tuple(sorted(self.variants, key=repr)), kernels)
             static = self.static[decode_len] = StaticDecode.build(self.cache.page_table, decode_len, self.variants,
-                                                                  self.group)
+                                                                  self.group, key)
         self.cache.begin_packed_step(rows, [], decode_len, 0, 1, pad_decode=True, into=static.plan, reserved=True)
         static.input_ids.view(-1).copy_(host_tensor(ids + [0] * (decode_len - len(ids)), static.input_ids.device))
         static.mask.refresh(rows)
         inputs = dict(input_ids=static.input_ids, position_ids=static.plan.position_ids, attention_mask=static.mask,
                       use_cache=True, logits_to_keep=0, **{self.cache_argument: self.cache})
-        # the bucket's graph: besides the model's key it specialises on the bucket, the variants and kernels
-        kernels = self.linears.traced_kernels(decode_len) if self.linears is not None else ()
-        key = (self.key, decode_len, self.group, tuple(sorted(self.variants, key=repr)), kernels)
         start = time.perf_counter()
-        logits = _compiled_decode_forward.keyed(key, self.model, inputs)[0]
+        logits = _compiled_decode_forward.keyed(static.key, self.model, inputs)[0]
         self.steps += 1
         return logits, time.perf_counter() - start

@@ -93,7 +93,10 @@ class ModelRunner:
         """One forward over the batch (its slots reserved when it was scheduled), then every
         picking sequence's next token(s). Raises ``StepFailedError`` if the forward fails
         (``Scheduler.rollback`` gives the slots back); a request whose pick fails fails alone."""
-        logits, sampled, verify_rows, decode_len, chunk_len, seconds = self._forward(batch)
+        try:
+            logits, sampled, verify_rows, decode_len, chunk_len, seconds = self._forward(batch)
+        except Exception as error:  # the step's tokens were never computed (the scheduler rolls them back)
+            raise StepFailedError([seq.index for seq in batch.stepped], error) from error
         picks = []
         asks = []
         for row, seq in sampled:  # a prompt just computed: its sibling samples pick from its row too
@@ -126,7 +129,9 @@ class ModelRunner:
         going = [(seq, Pick(seq), row) for seq, row in zip(verify, rows)]
         result.picks += [pick for _, pick, _ in going]
         for j in range(1 + max(len(seq.drafts) for seq in verify)):
-            asks = [(seq, row + j, seq.tokens + pick.tokens) for seq, pick, row in going]
+            # the tokens picked so far count for the penalties (no copy of the history without any)
+            asks = [(seq, row + j, seq.tokens + pick.tokens if seq.params.adjusts_logits else seq.tokens)
+                    for seq, pick, row in going]
             took = self._take(logits, asks, [pick for _, pick, _ in going])
             still = []
             for (seq, pick, row), ok in zip(going, took):
@@ -143,7 +148,7 @@ class ModelRunner:
     def _forward(self, batch: Batch) -> tuple[torch.Tensor, list[tuple[int, Sequence]], list[int], int, int, float]:
         """One forward over the batch, packed: the decode tokens, then each prefill chunk (aligned to
         the chunk block), then each speculating sequence's last token and drafts; a decode-only step
-        of a compiled bucket is its static step. Returns the logits kept, each sampling sequence
+        of a compiled bucket is its static step. Raises whatever the forward raised. Returns the logits kept, each sampling sequence
         after its row of them, each speculating sequence's first row, the regions' sizes and the
         seconds the model took."""
         decode_len = self.decode_len(len(batch.decode))
@@ -154,11 +159,8 @@ class ModelRunner:
         chunk_len = aligned if self.sdpa or not aligned else pow2_bucket(aligned, MIN_CHUNK_REGION)  # buckets: graphs
         ids = [seq.tokens[-1] for seq in batch.decode]
         if not chunks and self.graphs.ready(decode_len):
-            try:
-                logits, seconds = self.graphs.run([seq.row for seq in batch.decode], ids, decode_len)
-                self.compiled_steps += 1
-            except Exception as error:  # the step's tokens were never computed (the scheduler rolls them back)
-                raise StepFailedError([seq.index for seq in batch.stepped], error) from error
+            logits, seconds = self.graphs.run([seq.row for seq in batch.decode], ids, decode_len)
+            self.compiled_steps += 1
             return logits[: len(ids)], list(enumerate(batch.decode)), [], decode_len, 0, seconds
         plan = self.cache.begin_packed_step(
             [s.row for s in batch.decode], [(s.row, n) for s, n in chunks], decode_len, chunk_len, block, reserved=True)
@@ -176,10 +178,7 @@ class ModelRunner:
             keep += range(len(ids), len(ids) + n)
             ids += [seq.tokens[-1], *seq.drafts] + [0] * (cdiv(n, block) * block - n)
         ids += [0] * (plan.q_len - len(ids))
-        try:
-            logits, seconds = self._logits(ids, plan, keep)
-        except Exception as error:  # the step's tokens were never computed (the scheduler rolls them back)
-            raise StepFailedError([seq.index for seq in batch.stepped], error) from error
+        logits, seconds = self._logits(ids, plan, keep)
         return logits, list(enumerate(sampled)), verify_rows, decode_len, chunk_len, seconds
 
     def _logits(self, ids: list[int], plan: PackedPlan, keep: list[int]) -> tuple[torch.Tensor, float]:
