@@ -1,9 +1,9 @@
 """flexpage: a global paged KV cache for PyTorch models, served through FlexAttention."""
 
 from .core import masks, mods
-from .core.attention import fresh_prefill_attention, packed_attention, paged_attention, sequence_attention
+from .core.attention import packed_attention, paged_attention, sequence_attention
 from .core.cache import CacheStats, PagedKVCache
-from .core.masks import PackedBlockMask, PagedBlockMask, SequenceKV, build_block_mask, paged_mask_mod, paged_score_mod
+from .core.masks import PackedBlockMask, SequenceKV, build_block_mask, paged_mask_mod, paged_score_mod
 from .core.pages import PackedPlan, PageTable, StepPlan
 from .engine import Engine
 from .engine.requests import EngineStats, SamplingParams, StepOutput, TokenLogprobs
@@ -25,7 +25,6 @@ __all__ = [
     "PackedBlockMask",
     "PackedPlan",
     "PageTable",
-    "PagedBlockMask",
     "PagedKVCache",
     "PagedState",
     "RequestFailedError",
@@ -37,7 +36,6 @@ __all__ = [
     "TokenLogprobs",
     "UnsupportedModelError",
     "build_block_mask",
-    "fresh_prefill_attention",
     "masks",
     "mods",
     "packed_attention",

@@ -6,11 +6,14 @@ Only transformers' own extension points are used, and only on the model given:
   path is eager) is registered with ``AttentionInterface`` / ``AttentionMaskInterface``;
   when a forward carries no paged cache both hooks defer to the stock implementation, so
   scoring or training a wrapped model computes exactly what it did before;
-* a paged step (reserve pages, plan slots, build the one ``PagedBlockMask`` every layer gets
-  as its attention mask) begins before each forward whose cache is a ``PagedKVCache``: in
-  ``generate``, in ``prepare_inputs_for_generation`` (so the forward itself, compiled or not,
-  does no host-side bookkeeping); in direct forward calls, in a forward pre-hook on the
-  model's decoder (an ``nn.Module`` hook on that instance);
+* a paged step begins before each forward whose cache is a ``PagedKVCache``: its pages are
+  reserved and its ``[batch, columns]`` tokens planned as the Engine's steps are, packed into one
+  row (decode tokens as decode rows, each prompt a chunk; left padding dropped), with the one
+  ``PackedBlockMask`` every layer gets as its attention mask. In ``generate`` it begins in
+  ``prepare_inputs_for_generation`` (so the forward itself, compiled or not, does no host-side
+  bookkeeping), in direct forward calls in a forward pre-hook on the model's decoder, which packs
+  the decoder's inputs; a forward hook lays its hidden states back out as ``[batch, columns]``
+  (``nn.Module`` hooks on that instance);
 * ``generate`` and ``prepare_inputs_for_generation`` are shadowed on the instance only.
 """
 
@@ -24,21 +27,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.utils.hooks import RemovableHandle
 from transformers import PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from .core.attention import (fresh_prefill_attention, packed_attention, paged_attention, query_group,
-                             rows_attention, sdpa_over_pages, sequence_attention)
+from .core.attention import packed_attention
 from .core.cache import PagedKVCache
-from .core.host import cdiv, pow2_bucket
+from .core.host import cdiv, host_tensor
 from .core.linear import FewRowLinears
-from .core.masks import PackedBlockMask, PagedBlockMask
+from .core.masks import PackedBlockMask
+from .core.pages import PackedPlan, PageTable
 from .core.policy import device_policy
-from .core.static_step import StaticSteps, compiles_by_default, decode_bucket
+from .core.static_step import StaticSteps, compiles_by_default
+from .core.step_shape import StepShape
 from .errors import UnsupportedModelError
 
 FALLBACKS = {"sdpa": "flexpage", "eager": "flexpage_eager"}  # stock implementation -> our name
@@ -57,14 +60,16 @@ UNSUPPORTED_FLAGS = {
 @dataclass
 class PagedState:
     """What ``wrap`` keeps on a model (``paged_state(model)``): its paged cache, the stock settings
-    ``unwrap`` restores, the forward's name for the cache, the CPU linear kernels, the static steps."""
+    ``unwrap`` restores, the step hooks, the forward's name for the cache, the CPU linear kernels,
+    the static steps."""
 
     cache: PagedKVCache
     stock_implementation: str
-    hook: RemovableHandle
+    hooks: tuple[RemovableHandle, RemovableHandle]  # the decoder's step hooks: begin (and pack), unpack
     cache_argument: str  # the forward's name for the KV cache (``cache_argument(model)``)
     linears: FewRowLinears | None
     steps: StaticSteps | None  # the compiled static decode steps (``compile_decode``)
+    shape: StepShape  # how its steps are packed
 
 
 def wrap(
@@ -130,16 +135,17 @@ def wrap(
     )
     _register(stock)
     model.set_attn_implementation(FALLBACKS[stock])
-    hook = model.base_model.register_forward_pre_hook(_begin_paged_step, with_kwargs=True)
+    shape = StepShape.of(model, devices[0])
+    hooks = (model.base_model.register_forward_pre_hook(functools.partial(_begin_paged_step, shape), with_kwargs=True),
+             model.base_model.register_forward_hook(_end_paged_step, with_kwargs=True))
     linears = FewRowLinears(model, _is_paged_call) if few_row_linears else None
     if linears is not None and (pack_weights or pack_weights is None and linears.packing_fits()):
         linears.pack(max_batch_size)
     steps = None
     if compile_decode or compile_decode is None and compiles_by_default(model, devices[0]):
-        lone = sdpa_over_pages(devices[0], getattr(model.config, "attn_logit_softcapping", None), 1)
         steps = StaticSteps(model, cache, cache_argument(model), linears,
-                            {decode_bucket(n, lone) for n in range(1, max_batch_size + 1)}, lone)
-    model._flexpage = PagedState(cache, stock, hook, cache_argument(model), linears, steps)
+                            {shape.decode_len(n) for n in range(1, max_batch_size + 1)}, shape)
+    model._flexpage = PagedState(cache, stock, hooks, cache_argument(model), linears, steps, shape)
     if steps is not None:
         steps.learn_alone()  # the layers' attention variants, which a static step builds first
         model.forward = _shadowed_forward(model)
@@ -159,7 +165,8 @@ def unwrap(model: PreTrainedModel) -> PreTrainedModel:
     state = paged_state(model)
     if state is None:
         return model
-    state.hook.remove()
+    for hook in state.hooks:
+        hook.remove()
     if state.linears is not None:
         state.linears.remove()
     model.set_attn_implementation(state.stock_implementation)
@@ -276,17 +283,59 @@ def new_token_counts(attention_mask: torch.Tensor | None, batch: int, q_len: int
     return counts.tolist()
 
 
-def bucket(q_len: int) -> int:
-    """Query lengths are padded to powers of two (>= 16) so prompts of any length share a few compiles."""
-    return 1 if q_len == 1 else pow2_bucket(q_len, 16)
+class BatchStepMask(PackedBlockMask):
+    """The packed mask of a transformers forward over a ``[batch, columns]`` batch, and where its
+    tokens sit: packed position ``sources[i]`` is flat batch position ``targets[i]`` (None for
+    both: the packed row is the batch itself, as in every decode step)."""
+
+    batch_shape: tuple[int, int]
+    sources: torch.Tensor | None
+    targets: torch.Tensor | None
+    gather: torch.Tensor | None  # [packed positions] the flat batch position each packs (padding: 0)
+
+    @classmethod
+    def for_batch(cls, page_table: PageTable, plan: PackedPlan, counts: list[int], columns: int) -> "BatchStepMask":
+        """The mask of ``plan``, a step of ``len(counts)`` rows whose last ``counts[b]`` of ``columns``
+        positions are tokens (``PagedKVCache.begin_batch_step``)."""
+        mask = cls.for_step(page_table, plan)
+        mask.batch_shape = (len(counts), columns)
+        sources, targets, at = [], [], plan.decode_tokens
+        for b, n in enumerate(counts) if plan.chunks else ():
+            sources += range(at, at + n)
+            targets += range((b + 1) * columns - n, (b + 1) * columns)
+            at += cdiv(n, plan.chunk_block) * plan.chunk_block
+        mask.sources = mask.targets = mask.gather = None
+        packed_as_is = sources == targets == list(range(plan.q_len)) and plan.q_len == len(counts) * columns
+        if plan.chunks and not packed_as_is:  # padding to drop, or chunks aligned past it
+            gather = [0] * plan.q_len
+            for source, target in zip(sources, targets):
+                gather[source] = target
+            device = plan.position_ids.device
+            mask.sources, mask.targets = host_tensor(sources, device), host_tensor(targets, device)
+            mask.gather = host_tensor(gather, device)
+        return mask
+
+    def pack(self, batch: torch.Tensor) -> torch.Tensor:
+        """``[batch, columns, ...]`` inputs as the packed row ``[1, positions, ...]``."""
+        flat = batch.reshape(-1, *batch.shape[2:])
+        return (flat if self.gather is None else flat[self.gather])[None]
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """The packed row's ``[1, positions, ...]`` outputs as ``[batch, columns, ...]`` (zeros at padding)."""
+        if self.targets is None:
+            return packed.view(*self.batch_shape, *packed.shape[2:])
+        out = packed.new_zeros(self.batch_shape[0] * self.batch_shape[1], *packed.shape[2:])
+        out.index_copy_(0, self.targets, packed[0].index_select(0, self.sources))
+        return out.view(*self.batch_shape, *packed.shape[2:])
 
 
-def paged_step_mask(cache: PagedKVCache, inputs: torch.Tensor, attention_mask: torch.Tensor | None) -> PagedBlockMask:
-    """Begin a forward's paged step (reserve pages, plan slots) and build the mask every layer gets."""
-    batch, q_len = inputs.shape[:2]
-    counts = new_token_counts(attention_mask, batch, q_len)
-    plan = cache.begin_batch_step(counts, bucket(q_len), positions=q_len)
-    return PagedBlockMask.for_step(cache.page_table, plan)
+def paged_step_mask(cache: PagedKVCache, inputs: torch.Tensor, attention_mask: torch.Tensor | None,
+                    shape: StepShape) -> BatchStepMask:
+    """Begin a forward's paged step (reserve pages, plan the packed step) and build its mask."""
+    batch, columns = inputs.shape[:2]
+    counts = new_token_counts(attention_mask, batch, columns)
+    plan = cache.begin_batch_step(counts, columns, shape)
+    return BatchStepMask.for_batch(cache.page_table, plan, counts, columns)
 
 
 def _paged_cache(kwargs: dict) -> PagedKVCache | None:
@@ -299,19 +348,41 @@ def _is_paged_call(kwargs: dict) -> bool:
     return _paged_cache(kwargs) is not None
 
 
-def _begin_paged_step(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    """Forward pre-hook of the decoder: a forward whose cache is a PagedKVCache runs paged."""
-    cache = _paged_cache(kwargs)
-    if cache is None or isinstance(kwargs.get("attention_mask"), (PagedBlockMask, PackedBlockMask)):
-        return None  # not a paged call (the stock path runs untouched), or generate began the step already
-    inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
-    if inputs is None and args:
-        inputs = args[0]
-    if kwargs.get("position_ids") is None:  # transformers' Cache contract: positions follow the cached length
-        past = cache.get_seq_length()  # read before the step advances it
-        kwargs["position_ids"] = torch.arange(past, past + inputs.shape[1], device=inputs.device)[None]
-    kwargs["attention_mask"] = paged_step_mask(cache, inputs, kwargs.get("attention_mask"))
+def _begin_paged_step(shape: StepShape, module: torch.nn.Module, args: tuple, kwargs: dict
+                      ) -> tuple[tuple, dict] | None:
+    """Forward pre-hook of the decoder: a forward whose cache is a PagedKVCache runs paged, its
+    ``[batch, columns]`` inputs packed into the step's one row."""
+    cache, mask = _paged_cache(kwargs), kwargs.get("attention_mask")
+    if cache is None or isinstance(mask, PackedBlockMask) and not isinstance(mask, BatchStepMask):
+        return None  # not a paged call (the stock path runs untouched), or an Engine's step, packed already
+    name = next((key for key in ("input_ids", "inputs_embeds") if kwargs.get(key) is not None), None)
+    inputs = kwargs[name] if name else args[0]  # given by name, or the first positional argument
+    if not isinstance(mask, BatchStepMask):  # a direct call: the step begins here
+        mask = kwargs["attention_mask"] = paged_step_mask(cache, inputs, mask, shape)
+    positions = kwargs.get("position_ids")
+    if positions is None:  # transformers' Cache contract: positions follow the cached length (the plan's)
+        kwargs["position_ids"] = mask.plan.position_ids
+    else:
+        kwargs["position_ids"] = (mask.pack(positions) if positions.dim() == 2
+                                  else torch.stack([mask.pack(p) for p in positions]))  # multimodal rotary
+    if name:
+        kwargs[name] = mask.pack(inputs)
+    else:
+        args = (mask.pack(inputs), *args[1:])
     return args, kwargs
+
+
+def _end_paged_step(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    """Forward hook of the decoder: a paged forward's hidden states laid back out as ``[batch, columns]``."""
+    mask = kwargs.get("attention_mask")
+    if not isinstance(mask, BatchStepMask):
+        return None
+    if isinstance(output, tuple):
+        return (mask.unpack(output[0]), *output[1:])
+    output.last_hidden_state = mask.unpack(output.last_hidden_state)
+    if getattr(output, "hidden_states", None) is not None:
+        output.hidden_states = tuple(mask.unpack(hidden) for hidden in output.hidden_states)
+    return output
 
 
 def _paged_prepare_inputs(self: PreTrainedModel, *args: Any, **kwargs: Any) -> dict:
@@ -322,7 +393,7 @@ def _paged_prepare_inputs(self: PreTrainedModel, *args: Any, **kwargs: Any) -> d
     if cache is not None:
         tokens = inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs.get("inputs_embeds")
         # the generation-level 2-D padding mask (transformers may have expanded the forward's to 4-D)
-        inputs["attention_mask"] = paged_step_mask(cache, tokens, kwargs.get("attention_mask"))
+        inputs["attention_mask"] = paged_step_mask(cache, tokens, kwargs.get("attention_mask"), self._flexpage.shape)
     return inputs
 
 
@@ -342,10 +413,10 @@ def _paged_forward(self: PreTrainedModel, *args: Any, **kwargs: Any) -> Any:
     begun, one new token per sequence) runs its bucket's static step when that is compiled; every
     other forward is the class's."""
     state, mask = self._flexpage, kwargs.get("attention_mask")
-    plain = args or not isinstance(mask, PagedBlockMask) or mask.plan.q_len != 1 or kwargs.get("input_ids") is None
+    plain = args or not isinstance(mask, BatchStepMask) or mask.plan.chunks or kwargs.get("input_ids") is None
     if plain or kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
         return type(self).forward(self, *args, **kwargs)
-    rows = list(mask.plan.row_ids)
+    rows = list(mask.plan.decode_rows)
     decode_len = state.steps.bucket(len(rows))
     if not state.steps.ready(decode_len):
         return type(self).forward(self, *args, **kwargs)
@@ -364,7 +435,7 @@ def _make_attention(stock: str):
         scaling: float | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
-        if not isinstance(attention_mask, (PagedBlockMask, PackedBlockMask)):
+        if not isinstance(attention_mask, PackedBlockMask):
             fallback = ALL_ATTENTION_FUNCTIONS.get(stock) or sys.modules[type(module).__module__].eager_attention_forward
             return fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         if dropout:
@@ -372,39 +443,16 @@ def _make_attention(stock: str):
         for name in ("s_aux", "sinks"):
             if kwargs.get(name) is not None:
                 raise UnsupportedModelError(f"{type(module).__name__}: attention sinks ({name}) are not supported")
-        window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
-        if isinstance(attention_mask, PackedBlockMask):
-            out = packed_attention(query, key, value, attention_mask, window, softcap, scale=scaling)
-            return out.transpose(1, 2).contiguous(), None
-        plan = attention_mask.plan
-        if plan.fresh and plan.q_len > 1 and softcap is None:
-            out = fresh_prefill_attention(query, key, value, attention_mask, window, scale=scaling)
-            return out.transpose(1, 2).contiguous(), None
-        if plan.q_len == 1 and sdpa_over_pages(query.device, softcap, len(plan.row_ids)):
-            out = sequence_attention(query, key, value, attention_mask.decode_kv(window), scale=scaling)
-            return out.transpose(1, 2).contiguous(), None
-        if plan.q_len == 1:  # one-token rows: grouped query heads where that is faster
-            group = query_group(query, key)
-            out = rows_attention(query, key, value, attention_mask.with_window(window, group),
-                                 attention_mask.softcap_mod(softcap, group), scaling, group)
-            return out.transpose(1, 2).contiguous(), None
-        pad = plan.q_len - query.shape[2]
-        out = paged_attention(
-            F.pad(query, (0, 0, pad, 0)) if pad else query,
-            key,
-            value,
-            attention_mask.with_window(window),
-            attention_mask.softcap_mod(softcap),
-            scale=scaling,
-        )
-        return out[:, :, pad:].transpose(1, 2).contiguous(), None
+        out = packed_attention(query, key, value, attention_mask, kwargs.get("sliding_window"), kwargs.get("softcap"),
+                               scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
 
     return flexpage_attention
 
 
 def _make_mask(stock: str):
     def flexpage_mask(*args: Any, **kwargs: Any):
-        # Paged forwards arrive with a ready PagedBlockMask and never get here.
+        # Paged forwards arrive with a ready PackedBlockMask and never get here.
         return ALL_MASK_ATTENTION_FUNCTIONS[stock](*args, **kwargs)
 
     return flexpage_mask

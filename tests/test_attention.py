@@ -18,7 +18,7 @@ from attention_cases import HEAD_DIM, MAX_CONTEXT, MAX_NEW, ROWS, run_case
 from reference import GARBAGE, make_cache, reference_attention, write_step
 
 import flexpage
-from flexpage import masks, mods
+from flexpage import mods
 from flexpage.core import attention
 from flexpage.bench.measure import compiled_graphs
 from flexpage.core.compile import AOT_ENV, compile_static
@@ -127,28 +127,6 @@ def test_no_recompiles_across_decode_lengths_1_to_2048():
 
 
 @pytest.mark.parametrize("window", [None, 24])
-def test_fresh_prefill_attention_matches_sdpa(window):
-    cache = make_cache(16, 40, 2, HEAD_DIM)
-    for row in ROWS:
-        cache.add_sequence(row)
-    lengths = [5, 37, 130]
-    keys = [torch.randn(2, n, HEAD_DIM) for n in lengths]
-    values = [torch.randn(2, n, HEAD_DIM) for n in lengths]
-    plan, (kp, vp) = write_step(cache, ROWS, keys, values, q_len=256)  # a bucketed plan
-    assert plan.fresh
-    query = torch.randn(3, 8, 130, HEAD_DIM)  # the forward's 130 positions are the plan's last ones
-    out = flexpage.fresh_prefill_attention(query, kp, vp, masks.PagedBlockMask.for_step(cache.page_table, plan), window)
-    mod = mods.sliding_window(window) if window else None
-    for b, n in enumerate(lengths):
-        ref = reference_attention(query[b, :, 130 - n :], keys[b], values[b], torch.arange(n), b, mod)
-        assert (out[b, :, 130 - n :] - ref).abs().max() <= 1e-5
-        assert (out[b, :, : 130 - n] == 0).all()  # padding queries: zeros, never used
-    plan, _ = write_step(cache, ROWS, [k[:, :1] for k in keys], [v[:, :1] for v in values])
-    with pytest.raises(ValueError, match="no tokens before"):
-        flexpage.fresh_prefill_attention(query[:, :, :1], kp, vp, masks.PagedBlockMask.for_step(cache.page_table, plan))
-
-
-@pytest.mark.parametrize("window", [None, 24])
 @settings(max_examples=8, deadline=None)
 @given(context=st.integers(0, 300) | st.sampled_from([0, 15, 16, 23, 24]), seed=st.integers(0, 2**16))
 def test_sequence_attention_of_a_decode_token_matches_sdpa(window, context, seed):
@@ -161,7 +139,7 @@ def test_sequence_attention_of_a_decode_token_matches_sdpa(window, context, seed
         write_step(cache, [row], [keys[:, :-1]], [values[:, :-1]])
     plan, (kp, vp) = write_step(cache, [row], [keys[:, -1:]], [values[:, -1:]])
     query = torch.randn(1, 8, 1, HEAD_DIM)
-    out = flexpage.sequence_attention(query, kp, vp, flexpage.PagedBlockMask.for_step(cache.page_table, plan).decode_kv(window))
+    out = flexpage.sequence_attention(query, kp, vp, flexpage.SequenceKV.for_row(cache.page_table, row, window))
     ref = reference_attention(query[0], keys, values, torch.tensor([context]), 0, mods.sliding_window(window) if window else None)
     assert (out[0] - ref).abs().max() <= 1e-5
 
@@ -198,22 +176,11 @@ def test_sequence_attention_reads_a_contiguous_sequence_in_place():
     k, v = torch.randn(2, 2, 50, HEAD_DIM)
     write_step(cache, [row], [k[:, :49]], [v[:, :49]])
     plan, (kp, vp) = write_step(cache, [row], [k[:, 49:]], [v[:, 49:]])
-    kv = flexpage.PagedBlockMask.for_step(cache.page_table, plan).decode_kv(24)
+    kv = flexpage.SequenceKV.for_row(cache.page_table, row, 24)
     assert kv.slots is None and kv.start == 26 and kv.width == 24  # the last 24 tokens, a slice of the pool
     query = torch.randn(1, 8, 1, HEAD_DIM)
     ref = reference_attention(query[0], k, v, torch.tensor([49]), 0, mods.sliding_window(24))
     assert (flexpage.sequence_attention(query, kp, vp, kv)[0] - ref).abs().max() <= 1e-5
-
-
-def test_fresh_prefill_without_padding_is_plain_causal_attention():
-    cache = make_cache(16, 40, 2, HEAD_DIM)
-    row = cache.add_sequence()
-    k, v = torch.randn(2, 2, 100, HEAD_DIM)
-    plan, (kp, vp) = write_step(cache, [row], [k], [v])
-    query = torch.randn(1, 8, 100, HEAD_DIM)
-    ref = reference_attention(query[0], k, v, torch.arange(100), 0)
-    mask = masks.PagedBlockMask.for_step(cache.page_table, plan)
-    assert (flexpage.fresh_prefill_attention(query, kp, vp, mask)[0] - ref).abs().max() <= 1e-5
 
 
 def test_compiled_kernels_keep_their_graph_limit_on_other_threads(monkeypatch):

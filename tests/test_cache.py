@@ -8,6 +8,7 @@ from transformers.cache_utils import Cache
 
 import flexpage
 from flexpage import OutOfPagesError, PagedKVCache
+from flexpage.core.step_shape import StepShape
 
 D = 8
 
@@ -128,7 +129,7 @@ def test_batch_step_that_cannot_claim_rows_leaks_none():
                                   max_batch_size=2)
     cache.add_sequence()  # 1 of 2 rows taken: a batch of 2 cannot get rows
     with pytest.raises(OutOfPagesError, match="rows are in use"):
-        cache.begin_batch_step([3, 3], q_len=3, positions=3)
+        cache.begin_batch_step([3, 3], 3, StepShape(sdpa=True))
     assert cache.page_table.active_rows == [0] and cache.batch_rows == [] and cache.get_seq_length() == 0
 
 

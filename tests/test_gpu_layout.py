@@ -14,7 +14,8 @@ from reference import make_cache
 
 from flexpage import masks
 from flexpage.core.attention import kernel_options
-from flexpage.core.masks import PackedBlockMask, PagedBlockMask
+from flexpage.core.masks import PackedBlockMask
+from flexpage.core.step_shape import StepShape
 
 PAGE = 16
 VARIANTS = [(None, None), (24, None), (None, 30.0)]  # (window, soft-cap)
@@ -50,11 +51,12 @@ def test_violations_are_detected():
 
 def test_generate_prefill_and_decode_masks():
     cache = make_cache(PAGE, 64, 2, 32, max_batch_size=4)
-    for counts, q_len, positions in (([20, 9], 32, 20), ([1, 1], 1, 1)):  # a left-padded prefill, then decode
-        plan = cache.begin_batch_step(counts, q_len, positions=positions)
-        mask = PagedBlockMask.for_step(cache.page_table, plan)
-        for window, _ in VARIANTS:
-            assert gpu_violations(mask.with_window(window), PAGE) == []
+    gpu = StepShape(sdpa=False)  # a GPU's steps: every region attended by FlexAttention
+    for counts, columns, region in (([20, 9], 20, "chunk"), ([1, 1], 1, "decode")):  # a left-padded prefill, then decode
+        plan = cache.begin_batch_step(counts, columns, gpu)
+        mask = PackedBlockMask.for_step(cache.page_table, plan)
+        for window, cap in VARIANTS:
+            assert gpu_violations(mask.region(region, window, cap)[2], PAGE) == []
 
 
 @pytest.mark.parametrize("decode_len, chunk_len", [(4, 96), (2, 64), (0, 64)])

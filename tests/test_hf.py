@@ -29,18 +29,16 @@ def prompts(lengths=PROMPT_LENGTHS, seed=0):
 
 @pytest.fixture
 def paged_calls(monkeypatch):
-    """Counts calls of flexpage's attention kernels (paged FlexAttention, over one-token rows or
-    longer queries; SDPA for prefills from scratch, SDPA over gathered pages for CPU decode
-    steps), to prove the paged path ran."""
+    """Counts calls of flexpage's one attention dispatch (a packed step's attention over pages), to
+    prove the paged path ran."""
     calls = []
-    for name in ("paged_attention", "rows_attention", "fresh_prefill_attention", "sequence_attention"):
-        real = getattr(flexpage_hf, name)
+    real = flexpage_hf.packed_attention
 
-        def counting(*args, _real=real, **kwargs):
-            calls.append(args[0].shape)
-            return _real(*args, **kwargs)
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
 
-        monkeypatch.setattr(flexpage_hf, name, counting)
+    monkeypatch.setattr(flexpage_hf, "packed_attention", counting)
     return calls
 
 

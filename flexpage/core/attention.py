@@ -8,7 +8,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from .compile import compile_static
-from .masks import PackedBlockMask, PagedBlockMask, ScoreMod, SequenceKV, StaticDecodeMask, static_mask_at
+from .masks import PackedBlockMask, ScoreMod, SequenceKV, StaticDecodeMask, static_mask_at
 from .host import cdiv
 from .policy import device_policy
 
@@ -114,42 +114,6 @@ def rows_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, block_ma
     grouped = query.reshape(batch, heads // group, group, dim)
     out = paged_attention(grouped, key_pool, value_pool, block_mask, score_mod, scale)
     return out.reshape(batch, heads, 1, out.shape[-1])
-
-
-def fresh_prefill_attention(
-    query: Tensor,
-    key_pool: Tensor,
-    value_pool: Tensor,
-    block_mask: PagedBlockMask,
-    window: int | None = None,
-    scale: float | None = None,
-) -> Tensor:
-    """Causal attention of a prefill from an empty cache, by SDPA over the step's own K/V.
-
-    With no earlier tokens, a prefill's keys are exactly the ones it just wrote, so they are
-    attended with SDPA, whose CPU kernel is faster than FlexAttention over page-sized KV blocks
-    for long prompts. ``query`` is ``[B, Hq, q, D]`` with its tokens in the plan's last ``q``
-    columns (left padding); ``window`` restricts to a causal sliding window. A batch without
-    padding is one causal call over its keys gathered back from their slots; a left-padded one
-    is attended row by row over each row's own tokens in the pools (``prefill_kvs``, as the
-    Engine attends its prefill chunks: the padding is neither computed nor masked); padding queries get zeros
-    (their outputs are never used; this keeps them finite).
-    """
-    plan = block_mask.plan
-    if not plan.fresh:
-        raise ValueError("fresh_prefill_attention needs a step whose rows held no tokens before it")
-    q = query.shape[2]
-    if window is None and plan.max_new == q and all(n == q for n in plan.row_lens):  # no padding: plain causal
-        slots = plan.slots[:, plan.q_len - q :]  # [B, q]
-        keys = key_pool[0][:, slots].transpose(0, 1)  # [B, Hkv, q, D]
-        values = value_pool[0][:, slots].transpose(0, 1)
-        return F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale,
-                                              enable_gqa=query.shape[1] != keys.shape[1])
-    out = query.new_zeros(*query.shape[:3], value_pool.shape[-1])
-    for b, (n, kv) in enumerate(zip(plan.row_lens, block_mask.prefill_kvs(window))):
-        if kv is not None:
-            out[b : b + 1, :, q - n :] = sequence_attention(query[b : b + 1, :, q - n :], key_pool, value_pool, kv, scale)
-    return out
 
 
 def sequence_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, kv: SequenceKV,

@@ -10,6 +10,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import memory
 from .pages import PackedPlan, PageTable, StepPlan, check_packed_layout
+from .step_shape import StepShape
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -225,12 +226,12 @@ class PagedKVCache(Cache):
         return layer.keys, layer.values
 
     # ------------------------------------------------------------------ transformers Cache API
-    def begin_batch_step(self, new_tokens: Sequence[int], q_len: int, positions: int) -> StepPlan:
-        """A step of a transformers forward: batch index ``b`` is row ``batch_rows[b]``.
-
-        The first step of a batch claims its rows; ``positions`` is the forward's length along
-        the padded time axis (what ``get_seq_length`` reports). All or nothing, as ``begin_step``.
-        """
+    def begin_batch_step(self, new_tokens: Sequence[int], positions: int, shape: StepShape) -> PackedPlan:
+        """A step of a transformers forward of ``positions`` columns, packed: batch index ``b`` is row
+        ``batch_rows[b]``, whose last ``new_tokens[b]`` columns are its tokens (left padding is never
+        stored). One column is a decode step (each row a decode token), more are prefill chunks (each
+        row's tokens a chunk), laid out as ``shape`` says. The first step of a batch claims its rows;
+        ``positions`` is what ``get_seq_length`` advances by. All or nothing, as ``begin_step``."""
         if self.batch_rows and len(self.batch_rows) != len(new_tokens):
             raise ValueError(f"batch of {len(new_tokens)} rows, but this cache holds a batch of {len(self.batch_rows)}")
         claimed: list[int] = []
@@ -238,7 +239,11 @@ class PagedKVCache(Cache):
             if not self.batch_rows:
                 for _ in new_tokens:
                     claimed.append(self.add_sequence())
-            plan = self.begin_step(claimed or self.batch_rows, new_tokens, q_len)
+            rows = claimed or self.batch_rows
+            decode = rows if positions == 1 else []
+            chunks = [] if positions == 1 else [(row, n) for row, n in zip(rows, new_tokens) if n]
+            plan = self.begin_packed_step(decode, chunks, shape.decode_len(len(decode)),
+                                          shape.chunk_len(n for _, n in chunks), shape.chunk_block)
         except Exception:
             for row in claimed:  # rows this call claimed go back; earlier state is untouched
                 self.free_sequence(row)

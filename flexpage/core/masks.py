@@ -190,51 +190,6 @@ class _StepMask(BlockMask):
         return self._variants[key]
 
 
-class PagedBlockMask(_StepMask):
-    """The mask of a step whose rows are laid out as a (left-padded) batch: FlexAttention
-    metadata on demand; ``decode_kv`` for a lone sequence's decode step attended by SDPA."""
-
-    plan: StepPlan
-
-    @classmethod
-    def for_step(cls, page_table: PageTable, plan: StepPlan) -> "PagedBlockMask":
-        """The step's mask (its FlexAttention metadata built when a layer first asks)."""
-        mask = cls.__new__(cls)
-        mask._start(page_table, plan.q_len, len(plan.row_ids))
-        mask.plan, mask.BLOCK_SIZE = plan, (Q_BLOCK_SIZE, page_table.page_size)
-        return mask
-
-    def _causal(self) -> BlockMask:
-        return self.with_window(None)
-
-    def with_window(self, window: int | None, group: int = 1) -> BlockMask:
-        """This step's causal BlockMask, restricted to a sliding window of ``window`` tokens;
-        ``group > 1`` for a decode step's query with grouped heads (``grouped_mask_mod``)."""
-        mask_mod = None if window is None else sliding_window(window)
-        return self._variant(("window", window, group),
-                             lambda: _build(self.page_table, self.plan, mask_mod, Q_BLOCK_SIZE, group))
-
-    def softcap_mod(self, cap: float | None, group: int = 1) -> ScoreMod | None:
-        """The physical-slot soft-capping score mod for this step (None when ``cap`` is None)."""
-        if cap is None:
-            return None
-        return self._variant(("softcap", cap, group), lambda: _grouped_score(
-            paged_score_mod(self.page_table, self.plan, softcap(cap)), group))
-
-    def decode_kv(self, window: int | None = None) -> "SequenceKV":
-        """Where a lone sequence's decode keys live, for SDPA over its pages (``SequenceKV``)."""
-        (row,) = self.plan.row_ids
-        return self._variant(("decode_kv", window), lambda: SequenceKV.for_row(self.page_table, row, window))
-
-    def prefill_kvs(self, window: int | None = None) -> list["SequenceKV | None"]:
-        """The keys of each row's new tokens and their causal mask, for one SDPA call per row of
-        a fresh prefill (None for a row without tokens)."""
-        plan = self.plan
-        return self._variant(("prefill_kvs", window), lambda: [
-            SequenceKV.for_row(self.page_table, row, window, n) if n else None
-            for row, n in zip(plan.row_ids, plan.row_lens)])
-
-
 @dataclass(frozen=True)
 class SequenceKV:
     """The slots of one sequence's last ``width`` keys (its newest token last): a plain slice of

@@ -1,6 +1,6 @@
 """Static decode steps: a wrapped model's decode-only steps as one compiled graph per decode bucket.
 
-A step of ``n`` sequences decoding runs in the bucket of ``decode_bucket(n)`` rows (the rows past
+A step of ``n`` sequences decoding runs in the bucket of ``StepShape.decode_len(n)`` rows (the rows past
 the real ones are padding: they write to the sink page and see nothing). Each bucket has its step
 inputs in tensors built once and rewritten in place every step (``StaticDecode``: token ids,
 positions, slots, rows, the mask's block metadata), and one graph compiled ahead of time over them
@@ -24,11 +24,12 @@ from transformers import PreTrainedModel
 from .attention import head_group
 from .cache import PagedKVCache
 from .compile import compile_static
-from .host import host_tensor, pow2_bucket
+from .host import host_tensor
 from .linear import FewRowLinears
 from .masks import PackedBlockMask, StaticDecodeMask
 from .pages import PackedPlan, PageTable
 from .policy import device_policy
+from .step_shape import StepShape
 
 Variants = set[tuple[int | None, float | None]]  # the layers' (sliding window, soft-cap) attention variants
 
@@ -39,12 +40,6 @@ def compiles_by_default(model: PreTrainedModel, device: torch.device) -> bool:
     or tensor parallelism)."""
     alone = not getattr(model, "hf_device_map", None) and (getattr(model, "tp_size", None) or 1) == 1
     return alone and device_policy(device).compile_decode
-
-
-def decode_bucket(count: int, lone_row: bool) -> int:
-    """The rows of a decode step of ``count`` sequences: a power of two >= 2, so graphs are few,
-    or 1 for a lone sequence where one row is its own bucket (``lone_row``)."""
-    return count if count == 0 or count == 1 and lone_row else pow2_bucket(count, 2)
 
 
 @dataclass(frozen=True)
@@ -105,9 +100,9 @@ class StaticSteps:
     kernel each layer takes, and the saved graphs are keyed by those choices."""
 
     def __init__(self, model: PreTrainedModel, cache: PagedKVCache, cache_argument: str,
-                 linears: FewRowLinears | None, buckets: set[int], lone_row: bool) -> None:
+                 linears: FewRowLinears | None, buckets: set[int], shape: StepShape) -> None:
         self.model, self.cache, self.cache_argument, self.linears = model, cache, cache_argument, linears
-        self.buckets, self.lone_row = set(buckets), lone_row
+        self.buckets, self.shape = set(buckets), shape
         if self.buckets and linears is not None:
             linears.measure(max(self.buckets))
         self.key = _model_key(model, cache) if self.buckets else None
@@ -118,8 +113,8 @@ class StaticSteps:
         self.steps = 0  # compiled steps run
 
     def bucket(self, count: int) -> int:
-        """The bucket of a decode step of ``count`` sequences (``decode_bucket``)."""
-        return decode_bucket(count, self.lone_row)
+        """The bucket of a decode step of ``count`` sequences (``StepShape.decode_len``)."""
+        return self.shape.decode_len(count)
 
     def ready(self, decode_len: int) -> bool:
         """Whether a decode-only step of ``decode_len`` rows runs compiled."""

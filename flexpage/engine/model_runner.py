@@ -22,13 +22,13 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from ..core.attention import sdpa_over_pages
 from ..core.cache import PagedKVCache
-from ..core.host import cdiv, host_tensor, pow2_bucket
+from ..core.host import cdiv, host_tensor
 from ..core.linear import FewRowLinears
 from ..core.masks import PackedBlockMask
 from ..core.pages import PackedPlan
-from ..core.static_step import StaticSteps, compiles_by_default, decode_bucket
+from ..core.static_step import StaticSteps, compiles_by_default
+from ..core.step_shape import CHUNK_BLOCK, MIN_CHUNK_REGION, StepShape
 from ..errors import OutOfPagesError, StepFailedError
 from .block_manager import BlockManager
 from .penalties import adjust_logits
@@ -37,11 +37,6 @@ from .sampling import Sampler, greedy_tokens
 from .sequence import Batch, Pick, Sequence
 
 log = logging.getLogger(__name__)
-
-# query block of prefill chunks where FlexAttention attends them (Triton's smallest tile); where SDPA
-# attends each chunk on its own (CPU) chunks need no alignment. Decode tokens are one-token rows.
-CHUNK_BLOCK = 16
-MIN_CHUNK_REGION = 64  # the smallest chunk-region bucket
 
 
 @dataclass
@@ -75,17 +70,15 @@ class ModelRunner:
         self.model, self.cache, self.cache_argument = model, cache, cache_argument
         self.max_batch_size, self.max_tokens_per_step = max_batch_size, max_tokens_per_step
         self.device = model.device  # fixed once the pools are allocated (the property is slow)
-        # a lone decode token and each prefill chunk take SDPA over their pages: they compile nothing
-        self.sdpa = sdpa_over_pages(self.device, getattr(model.config, "attn_logit_softcapping", None), 1)
-        self.chunk_block = 1 if self.sdpa else CHUNK_BLOCK  # unaligned chunks: no padding rows in the forward
+        self.shape = StepShape.of(model, self.device)  # the decode and chunk regions' buckets
         self.sampler = Sampler()  # keeps its scratch rows from step to step
         # decode-only steps as static steps, one compiled graph per decode bucket (``StaticSteps``): every
         # bucket, none, or (None) the device policy's choice; not under tensor parallelism or device maps
-        buckets = {self.decode_len(n) for n in range(1, max_batch_size + 1)}
+        buckets = {self.shape.decode_len(n) for n in range(1, max_batch_size + 1)}
         self.compile_decode = compile_decode
         default = compile_decode is None and compiles_by_default(model, self.device)
         self.graphs = StaticSteps(model, cache, cache_argument, linears,
-                                  buckets if compile_decode or default else set(), self.sdpa)
+                                  buckets if compile_decode or default else set(), self.shape)
         self.compiled_steps = 0  # steps that ran a compiled graph
 
     # ------------------------------------------------------------------ a step
@@ -151,12 +144,10 @@ class ModelRunner:
         of a compiled bucket is its static step. Raises whatever the forward raised. Returns the logits kept, each sampling sequence
         after its row of them, each speculating sequence's first row, the regions' sizes and the
         seconds the model took."""
-        decode_len = self.decode_len(len(batch.decode))
-        block = self.chunk_block
+        decode_len, block = self.shape.decode_len(len(batch.decode)), self.shape.chunk_block
         # speculating sequences are chunks of the chunk region: their last token and their drafts
         chunks = batch.chunks + [(seq, 1 + len(seq.drafts)) for seq in batch.verify]
-        aligned = sum(cdiv(n, block) * block for _, n in chunks)
-        chunk_len = aligned if self.sdpa or not aligned else pow2_bucket(aligned, MIN_CHUNK_REGION)  # buckets: graphs
+        chunk_len = self.shape.chunk_len(n for _, n in chunks)
         ids = [seq.tokens[-1] for seq in batch.decode]
         if not chunks and self.graphs.ready(decode_len):
             logits, seconds = self.graphs.run([seq.row for seq in batch.decode], ids, decode_len)
@@ -268,16 +259,10 @@ class ModelRunner:
         return {index: TokenLogprobs(chosen[i], list(zip(ids[i][:top], values[i][:top])))
                 for i, (index, _, _, top) in enumerate(asked)}
 
-    def decode_len(self, count: int) -> int:
-        """The decode attention call's rows: a lone decode token attended eagerly takes one
-        (nothing compiled depends on it), else a power of two >= 2, so compiled graphs are few
-        (the rows past the real tokens are empty: they cost attention little and the rest of the
-        forward nothing)."""
-        return decode_bucket(count, self.sdpa)
-
     def compiled_shapes(self, decode_len: int, chunk_len: int) -> list[tuple[str, int]]:
         """The compiled attention regions a step of these region sizes used."""
-        shapes = (("decode", 0 if decode_len == 1 and self.sdpa else decode_len), ("chunk", 0 if self.sdpa else chunk_len))
+        sdpa = self.shape.sdpa
+        shapes = (("decode", 0 if decode_len == 1 and sdpa else decode_len), ("chunk", 0 if sdpa else chunk_len))
         return [shape for shape in shapes if shape[1]]
 
     def step_shapes(self) -> list[tuple[int, int]]:
@@ -285,12 +270,12 @@ class ModelRunner:
         each chunk-region bucket and each decode-region bucket. Where SDPA attends a lone decode
         token and the prefill chunks (CPU), those regions compile nothing and have no buckets."""
         chunks = []
-        if not self.sdpa:
+        if not self.shape.sdpa:
             chunks.append(MIN_CHUNK_REGION)
             while chunks[-1] < self.max_tokens_per_step:
                 chunks.append(chunks[-1] * 2)
-        first = 2 if self.sdpa else 1
-        decodes = sorted({self.decode_len(k) for k in range(first, self.max_batch_size + 1)})
+        first = 2 if self.shape.sdpa else 1
+        decodes = sorted({self.shape.decode_len(k) for k in range(first, self.max_batch_size + 1)})
         return [(0, c) for c in chunks] + [(d, 0) for d in decodes]
 
     @torch.inference_mode()
@@ -308,18 +293,18 @@ class ModelRunner:
         page_size = self.cache.page_size
         for decode_len, chunk_len in tqdm(self.step_shapes(), desc="warm-up", unit="shape", disable=not progress):
             free = blocks.num_unused_pages - decode_len - 1  # cached prefix pages stay
-            tokens = min(chunk_len, self.chunk_block + min(free, blocks.max_seq_len // page_size) * page_size)
-            if free < 0 or chunk_len and tokens <= self.chunk_block:
+            tokens = min(chunk_len, self.shape.chunk_block + min(free, blocks.max_seq_len // page_size) * page_size)
+            if free < 0 or chunk_len and tokens <= self.shape.chunk_block:
                 raise OutOfPagesError(f"warm-up needs free pages for a step of shape {(decode_len, chunk_len)}: "
                                       f"call it while the engine is idle")
             chunks = []
             if chunk_len:  # two chunks where two rows may run
-                sizes = [self.chunk_block, tokens - self.chunk_block] if self.max_batch_size > 1 else [tokens]
+                sizes = [self.shape.chunk_block, tokens - self.shape.chunk_block] if self.max_batch_size > 1 else [tokens]
                 chunks = [(_scratch(n), n) for n in sizes]
             batch = Batch([_scratch(1) for _ in range(min(decode_len, self.max_batch_size))], chunks)
             with _scratch_rows(blocks, batch):
                 plan = self.cache.begin_packed_step([s.row for s in batch.decode], [(s.row, n) for s, n in chunks],
-                                                    decode_len, chunk_len, self.chunk_block, reserved=True)
+                                                    decode_len, chunk_len, self.shape.chunk_block, reserved=True)
                 self._logits([0] * plan.q_len, plan, list(range(max(len(batch.decode), 1))))  # LM head: decode rows
         # then the compiled decode graphs, twice over: the first forward of a model sets state that
         # the graphs compiled before it guard on (transformers' kernel hub), so the second builds it

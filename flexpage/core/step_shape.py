@@ -1,0 +1,51 @@
+"""The shape of a packed step: how many rows its decode tokens are attended as, how its prefill
+chunks are aligned and how long its chunk region is. Shapes are bucketed (powers of two) so that a
+few compiled attention graphs serve every mix of lengths; ``wrap``'s generate steps and the
+Engine's steps both take theirs from a ``StepShape``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from transformers import PreTrainedModel
+
+from .attention import sdpa_over_pages
+from .host import cdiv, pow2_bucket
+
+# query block of prefill chunks where FlexAttention attends them (Triton's smallest tile); where SDPA
+# attends each chunk on its own (CPU) chunks need no alignment. Decode tokens are one-token rows.
+CHUNK_BLOCK = 16
+MIN_CHUNK_REGION = 64  # the smallest chunk-region bucket
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """Step shapes for a model on a device. ``sdpa``: a lone decode token, and each prefill chunk,
+    is attended by SDPA over its sequence's pages (``sdpa_over_pages``), so those regions compile
+    nothing: a lone row is its own decode bucket and chunks are neither aligned nor bucketed."""
+
+    sdpa: bool
+
+    @classmethod
+    def of(cls, model: PreTrainedModel, device: torch.device) -> "StepShape":
+        return cls(sdpa_over_pages(device, getattr(model.config, "attn_logit_softcapping", None), 1))
+
+    @property
+    def chunk_block(self) -> int:
+        """Each prefill chunk starts at a multiple of this many positions of the packed row."""
+        return 1 if self.sdpa else CHUNK_BLOCK
+
+    def decode_len(self, count: int) -> int:
+        """The decode attention call's rows for ``count`` decode tokens: a power of two >= 2, so graphs
+        are few, or 1 for a lone token attended by SDPA. The rows past the real tokens are empty: they
+        cost attention little and the rest of the forward nothing."""
+        return count if count == 0 or count == 1 and self.sdpa else pow2_bucket(count, 2)
+
+    def chunk_len(self, chunk_tokens: Iterable[int]) -> int:
+        """The chunk region's positions for chunks of these many tokens, each aligned to ``chunk_block``:
+        where FlexAttention attends them, bucketed to a power of two >= ``MIN_CHUNK_REGION``."""
+        block = self.chunk_block
+        aligned = sum(cdiv(n, block) * block for n in chunk_tokens)
+        return aligned if self.sdpa or not aligned else pow2_bucket(aligned, MIN_CHUNK_REGION)
