@@ -93,3 +93,21 @@ def test_quick_mode_never_writes_into_results(tmp_path):
     assert Path(quick).parent != ROOT and "flexpage-quick-" in quick
     assert out_dir(parser.parse_args(["--quick", "--out", str(tmp_path)])) == str(tmp_path)
     assert parser.parse_args([]).default_out == "results/trial"
+
+
+@pytest.mark.parametrize("flag, expected", [([], None), (["--compile-decode"], True), (["--no-compile-decode"], False)])
+def test_serve_compile_decode_reaches_the_engine(flag, expected, monkeypatch):
+    """``flexpage serve --compile-decode`` is the Engine's ``compile_decode``, the same word and meaning."""
+    from flexpage.serve import cli as serve_cli
+
+    class Built(Exception):
+        pass
+
+    def engine(model, **options):
+        raise Built(options)
+
+    monkeypatch.setattr(serve_cli, "Engine", engine)
+    monkeypatch.setattr(serve_cli.zoo, "load", lambda name, **options: None)
+    with pytest.raises(Built) as built:
+        serve_cli.main(["llama-tiny", *flag])
+    assert built.value.args[0]["compile_decode"] is expected

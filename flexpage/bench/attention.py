@@ -57,8 +57,8 @@ def decode_step(capacity: int, batch: int, length: int, seed: int = 0, page_size
     k, v = (torch.randn(batch, HKV, length, HEAD_DIM, generator=g) for _ in range(2))
     cache.begin_step(rows, [length - 1] * batch)
     cache.update(k[:, :, :-1], v[:, :, :-1], 0)
-    plan = cache.begin_step(rows, [1] * batch)
-    cache.update(k[:, :, -1:], v[:, :, -1:], 0)
+    plan = cache.begin_packed_step(rows, [], batch, 0, 1)  # one decode token per row, as an Engine step
+    cache.update(k[:, :, -1].transpose(0, 1)[None], v[:, :, -1].transpose(0, 1)[None], 0)
     return cache, plan, k, v
 
 
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
             cache, plan, k, v = decode_step(capacity, batch, length, page_size=args.page_size)
             kp, vp = cache.layers[0].keys, cache.layers[0].values
             pt, group = cache.page_table, query_group(query, kp)
-            mask = flexpage.PagedBlockMask.for_step(pt, plan).with_window(None, group)
+            mask = flexpage.PackedBlockMask.for_step(pt, plan).decode_region(None, None, group)[0]
             ref = F.scaled_dot_product_attention(query, k, v, enable_gqa=True)
             paged = lambda q=query, kp=kp, vp=vp, m=mask: rows_attention(q, kp, vp, m, None, None, group)  # noqa: E731
             errors[capacity] = (paged() - ref).abs().max().item()
@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> None:
                 small = decode_step(capacity, batch, length, page_size=args.page_size, huge_pages=False)[0].layers[0]
                 cells[f"paged_small_pages_{capacity}"] = lambda q=query, kp=small.keys, vp=small.values, m=mask: (
                     rows_attention(q, kp, vp, m, None, None, group))
-            cells[f"mask_build_{capacity}"] = lambda pt=pt, plan=plan: flexpage.PagedBlockMask.for_step(
-                pt, plan).with_window(None, group)
+            cells[f"mask_build_{capacity}"] = lambda pt=pt, plan=plan: flexpage.PackedBlockMask.for_step(
+                pt, plan).decode_region(None, None, group)
         blocks = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx < length, None, None, group, length,
                                    device="cpu", BLOCK_SIZE=(flexpage.masks.Q_BLOCK_SIZE, args.page_size))
         grouped = query.view(batch, HKV, group, HEAD_DIM) if group > 1 else query

@@ -87,8 +87,8 @@ class Engine:
                              max_tokens_per_step=max_tokens_per_step, max_seq_len=max_seq_len, warmup=warmup)
         drafts = proposer(speculative, num_speculative_tokens, self.model.config.vocab_size,
                           lambda draft: DraftModel(draft, **draft_options))
-        self.scheduler = Scheduler(self.blocks, max_batch_size, max_tokens_per_step, self.runner.shape.chunk_block, drafts,
-                                   num_speculative_tokens, adaptive_speculation)
+        self.scheduler = Scheduler(self.blocks, max_batch_size, max_tokens_per_step, self.runner.shape.chunk_block,
+                                   drafts, num_speculative_tokens, adaptive_speculation)
         self.warmup_seconds, self._next_index = 0.0, 0
         self.ranks, self._closed = RankSync.for_model(self.model, tp_group, check_ranks), False
         self.reset_stats()

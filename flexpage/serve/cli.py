@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=None,
                         help="keep oneDNN-packed copies of the CPU weights: faster batched decode, 2x weight memory "
                              "(default: when they need at most a quarter of the memory available)")
+    parser.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
+                        help="run decode-only steps as static steps compiled per batch bucket, as Engine(compile_decode) "
+                             "and wrap(compile_decode) do (default: where the device policy measured them faster)")
     parser.add_argument("--speculative", metavar="ngram|MODEL",
                         help="speculative decoding: 'ngram' drafts by prompt lookup in each request's own tokens; "
                              "a zoo name or local directory: a draft model with the same vocabulary")
@@ -88,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine(zoo.load(args.model, **load_options), page_size=args.page_size,
                     max_cached_tokens=args.max_cached_tokens, max_batch_size=args.max_batch_size,
                     max_tokens_per_step=args.max_tokens_per_step, prefix_caching=not args.no_prefix_caching,
-                    pack_weights=args.pack_weights, speculative=speculative,
+                    pack_weights=args.pack_weights, compile_decode=args.compile_decode, speculative=speculative,
                     num_speculative_tokens=args.num_speculative_tokens)
     if engine.ranks is not None and not engine.ranks.leader:
         engine.follow()  # until rank 0's server stops
