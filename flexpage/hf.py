@@ -363,8 +363,9 @@ def _begin_paged_step(shape: StepShape, module: torch.nn.Module, args: tuple, kw
     if positions is None:  # transformers' Cache contract: positions follow the cached length (the plan's)
         kwargs["position_ids"] = mask.plan.position_ids
     else:
-        kwargs["position_ids"] = (mask.pack(positions) if positions.dim() == 2
-                                  else torch.stack([mask.pack(p) for p in positions]))  # multimodal rotary
+        batch = mask.batch_shape  # position ids may be given once for every row ([1, columns])
+        kwargs["position_ids"] = (mask.pack(positions.expand(batch)) if positions.dim() == 2  # multimodal rotary: 3-D
+                                  else torch.stack([mask.pack(p.expand(batch)) for p in positions]))
     if name:
         kwargs[name] = mask.pack(inputs)
     else:

@@ -127,6 +127,35 @@ def test_manual_loop_with_explicit_cache_derives_positions_from_it(stock_llama):
     assert paged.get_seq_length() == reference.get_seq_length() == 14
 
 
+def test_left_padded_batch_runs_packed_and_comes_back_as_a_batch(stock_llama):
+    """A direct forward of a left-padded batch on a PagedKVCache runs as one packed row (padding
+    dropped) and comes back as ``[batch, columns]``: the real positions' logits and hidden states
+    are stock's (DynamicCache, the same padding mask and positions), the padding positions' zeros;
+    the decode step after it gets its positions from the cache."""
+    from transformers import DynamicCache
+
+    model = flexpage.wrap(zoo.build("llama-tiny"))
+    name = flexpage_hf.cache_argument(model)
+    ids, mask = prompts((9, 5))
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    paged, reference = PagedKVCache(model.config, page_size=16, num_pages=8, max_batch_size=2), DynamicCache()
+    with torch.no_grad():
+        expected = stock_llama(ids, attention_mask=mask, position_ids=positions, output_hidden_states=True,
+                               **{name: reference})
+        got = model(ids, attention_mask=mask, position_ids=positions, output_hidden_states=True, **{name: paged})
+    real = mask.bool()
+    assert got.logits.shape == expected.logits.shape and len(got.hidden_states) == len(expected.hidden_states)
+    assert torch.allclose(got.logits[real], expected.logits[real], atol=1e-4)
+    assert torch.allclose(got.hidden_states[-1][real], expected.hidden_states[-1][real], atol=1e-4)
+    assert (got.logits[~real] == 0).all() and all((hidden[~real] == 0).all() for hidden in got.hidden_states)
+    step, longer = torch.tensor([[5], [7]]), torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+    with torch.no_grad():
+        expected = stock_llama(step, attention_mask=longer, position_ids=positions[:, -1:] + 1, **{name: reference})
+        got = model(step, attention_mask=longer, **{name: paged})
+    assert torch.allclose(got.logits, expected.logits, atol=1e-4)
+    assert [paged.seq_length(row) for row in paged.batch_rows] == [10, 6]  # the padding never stored
+
+
 def test_out_of_pages_raises_before_overwriting_and_next_call_succeeds():
     stock = zoo.build("llama-tiny")
     model = flexpage.wrap(zoo.build("llama-tiny"))
