@@ -1,0 +1,11 @@
+"""Decode time beside its memory roofline: ``flexpage bench roofline`` as a file, same options (code: flexpage/bench/roofline.py)."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's flexpage, installed or not
+
+from flexpage.cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main(["bench", "roofline", *sys.argv[1:]]))
