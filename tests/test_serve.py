@@ -150,6 +150,37 @@ def test_logprobs_match_stock_log_softmax(served, stock_llama):
     assert len(entries) == chat.usage.completion_tokens and all(len(e.top_logprobs) == 2 for e in entries)
 
 
+def test_the_apis_semantics_nulls_stop_token_ids_sampled_logprobs_and_json_bodies(served, stock_llama):
+    """What OpenAI and vLLM clients rely on: a null option is its default; vLLM's ``stop_token_ids``
+    end an output at the token (kept); completions' ``top_logprobs`` hold the sampled token at every
+    position; a body sent as text or a form is refused (a browser sends those cross-site unasked)."""
+    ids = prompt_ids(12, seed=7)
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 6, "ignore_eos": True}
+
+    def completion(**fields) -> dict:
+        status, text = fetch(served.base, "POST", "/v1/completions", json.dumps(body | fields).encode())
+        assert status == 200, text
+        return json.loads(text)
+
+    nulls = dict.fromkeys(("top_p", "top_k", "n", "stream", "stop", "presence_penalty", "frequency_penalty",
+                           "repetition_penalty", "logprobs", "echo", "min_tokens", "logit_bias", "user"))
+    assert completion(temperature=0, **nulls)["choices"][0]["text"] == completion(temperature=0)["choices"][0]["text"]
+    assert (completion(temperature=None, seed=5)["choices"][0]["text"]
+            == completion(temperature=1.0, seed=5)["choices"][0]["text"])
+    tokens = stock_greedy(stock_llama, ids, 6)
+    at = next(j for j in range(1, 6) if tokens[j] not in tokens[:j])  # the first token not seen before it
+    stopped = completion(temperature=0, stop_token_ids=[tokens[at]])
+    assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["usage"]["completion_tokens"] == at + 1
+    sampled = served.client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=1.8, seed=3,
+                                               logprobs=1, extra_body={"ignore_eos": True}).choices[0].logprobs
+    for token, logprob, top in zip(sampled.tokens, sampled.token_logprobs, sampled.top_logprobs):
+        assert 1 <= len(top) <= 2 and top[token] == pytest.approx(logprob)
+    for media in ("text/plain", "application/x-www-form-urlencoded"):
+        status, text = fetch(served.base, "POST", "/v1/completions", json.dumps(body).encode(),
+                             headers={"content-type": media})
+        assert status == 415 and json.loads(text)["error"]["type"] == "invalid_request_error"
+
+
 def test_penalties_and_logit_bias_match_stock(served, stock_llama):
     """OpenAI's ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (token ids as JSON
     strings) and vLLM's ``repetition_penalty`` reach the engine: the greedy text equals stock
@@ -200,8 +231,12 @@ def test_bad_requests_get_openai_errors_and_change_nothing(served):
                                        response_format={"type": "json_object"})
     status, body = fetch(served.base, "POST", "/v1/completions", b"{not json")
     assert status == 400 and json.loads(body)["error"]["type"] == "invalid_request_error"
-    # unknown fields are tolerated
-    ok = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"not_an_openai_field": 1})
+    # a field the server does not implement is refused naming it, one that asks nothing of the output is not
+    for field in ({"not_an_openai_field": 1}, {"min_p": 0.1}, {"guided_json": {"type": "object"}}):
+        with pytest.raises(openai.BadRequestError) as error:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body=field)
+        assert error.value.body["param"] == next(iter(field)) and "not implement" in error.value.body["message"]
+    ok = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"store": False})
     assert len(ok.choices) == 1
     assert served.engine.cache.stats().pages_used == pages == 0
 

@@ -36,7 +36,8 @@ class Engine:
     """Serve many token-id prompts from one paged KV cache of ``max_cached_tokens`` tokens.
 
     ``max_batch_size`` sequences run at once; a step feeds at most ``max_tokens_per_step`` tokens
-    (decode tokens plus prefill chunks). The model is wrapped with ``flexpage.wrap`` (don't call its
+    (decode tokens plus prefill chunks); one request holds at most ``max_seq_len`` tokens (default and
+    limit: the model's ``max_position_embeddings``, and what the pool holds). The model is wrapped with ``flexpage.wrap`` (don't call its
     ``generate()`` while the engine serves). ``warmup`` compiles every step shape when the engine is
     built, so serving never waits on a compile, including the decode-only steps, one static step
     per decode bucket (``core.static_step``), where ``compile_decode`` asks (None: the device
@@ -75,8 +76,12 @@ class Engine:
         adaptive_speculation: bool = True,
         compile_decode: bool | None = None,
     ) -> None:
-        self.model = wrap(model, page_size=page_size, max_cached_tokens=max_cached_tokens,
-                          max_batch_size=max_batch_size, max_seq_len=max_seq_len, few_row_linears=few_row_linears,
+        self.positions = getattr(model.config, "max_position_embeddings", None)  # past them the model is untrained
+        if max_seq_len is not None and self.positions and max_seq_len > self.positions:
+            raise ValueError(f"max_seq_len ({max_seq_len}) exceeds the model's {self.positions} positions "
+                             f"(config.max_position_embeddings)")
+        self.model = wrap(model, page_size=page_size, max_cached_tokens=max_cached_tokens, max_batch_size=max_batch_size,
+                          max_seq_len=max_seq_len or self.positions, few_row_linears=few_row_linears,
                           pack_weights=pack_weights)
         state = paged_state(self.model)
         self.cache, self.tokenizer = state.cache, tokenizer
@@ -97,8 +102,8 @@ class Engine:
 
     @property
     def max_seq_len(self) -> int:
-        """The most tokens (prompt + output) one request may hold in this cache."""
-        return self.blocks.max_seq_len
+        """The most tokens (prompt + output) one request may hold: the model's positions, or the cache's room."""
+        return min(self.blocks.max_seq_len, self.positions or self.blocks.max_seq_len)
 
     @property
     def has_work(self) -> bool:

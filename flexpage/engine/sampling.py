@@ -227,7 +227,9 @@ def kept_candidates(logits: Tensor, temperature: Sequence[float], top_k: Sequenc
     values = values.masked_fill(values < kth, float("-inf"))  # top-k: below the k-th score goes
     probs = values.softmax(-1)  # each candidate's share of what top-k kept
     above = probs.cumsum(-1) - probs
-    return ids, probs.masked_fill(above >= ps[:, None], 0.0)  # top-p: the mass above a kept token is < p
+    # top-p: the mass above a kept token is < p; the most likely token stays whatever p (as the warper's
+    # min_tokens_to_keep), also where p is below float32's smallest value and rounds to 0
+    return ids, probs.masked_fill((above >= ps[:, None]) & (above > 0), 0.0)
 
 
 def top_p_filtered(probs: Tensor, top_p: Sequence[float | None]) -> Tensor:

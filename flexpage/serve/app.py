@@ -74,9 +74,10 @@ class StopStrings:
         self.matched = [0] * len(stops)  # characters of each string matched by the text's end
         self.length = 0  # characters fed so far
 
-    def feed(self, text: str) -> int | None:
+    def feed(self, text: str, report: bool = True) -> int | None:
         """Add ``text`` to the end; where the first stop string to be completed starts in the whole
-        text (the earliest of those completed by the same character), or None."""
+        text (the earliest of those completed by the same character), or None; never with ``report``
+        False (the output is too short to stop: the text is only followed)."""
         for char in text:
             starts = []
             for k, (stop, fallback) in enumerate(zip(self.stops, self.fallbacks)):
@@ -86,9 +87,10 @@ class StopStrings:
                 j += stop[j] == char
                 if j == len(stop):
                     starts.append(self.length + 1 - j)
+                    j = fallback[j - 1]  # matching goes on where the output is too short to stop
                 self.matched[k] = j
             self.length += 1
-            if starts:
+            if starts and report:
                 return min(starts)
         return None
 
@@ -116,8 +118,8 @@ class Choice:
     a few before them for context), so a long output costs linear time, not quadratic.
     """
 
-    def __init__(self, tokenizer: Any, stops: list[str]) -> None:
-        self.tokenizer, self.stops = tokenizer, StopStrings(stops)
+    def __init__(self, tokenizer: Any, stops: list[str], min_tokens: int = 0) -> None:
+        self.tokenizer, self.stops, self.min_tokens = tokenizer, StopStrings(stops), min_tokens
         self.tokens: list[int] = []
         self.logprobs: list[tuple[int, TokenLogprobs]] = []
         self.text, self.sent, self.finish_reason = "", 0, None
@@ -128,7 +130,7 @@ class Choice:
         if output.logprobs is not None:
             self.logprobs.append((output.token, output.logprobs))
         new = self._new_text(final=output.finish_reason is not None)
-        start = self.stops.feed(new)
+        start = self.stops.feed(new, report=len(self.tokens) >= self.min_tokens)  # vLLM: none before min_tokens
         self.text += new
         if start is not None:
             self.text, self.finish_reason = self.text[:start], "stop"
@@ -142,7 +144,10 @@ class Choice:
         before = decode(self.tokens[self._prefix : self._read])
         after = decode(self.tokens[self._prefix :])
         incomplete = after.endswith("\ufffd") and not final and len(self.tokens) - self._read < PENDING_TOKENS
-        if len(after) <= len(before) or incomplete:
+        if after == before:  # tokens that add no text (special ones): the window moves on
+            self._prefix, self._read = max(0, len(self.tokens) - 4), len(self.tokens)
+            return ""
+        if len(after) < len(before) or incomplete:
             return ""  # nothing new yet, or a multi-byte character still incomplete
         self._prefix, self._read = max(0, len(self.tokens) - 4), len(self.tokens)
         return after[len(before) :]
@@ -178,6 +183,11 @@ class Server:
 
     async def parse(self, request: Request, model: type[T]) -> T:
         """The request's JSON body as ``model``: 413 past the size limit, 400 naming what is wrong."""
+        media = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+        if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+            # a browser sends text/plain and forms cross-site without asking first: only JSON is taken
+            raise APIError(415, f"the request body must be JSON (content-type application/json), not {media[:60]!r}",
+                           code="unsupported_media_type")
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_request_bytes:
             raise self.too_large()
@@ -187,9 +197,15 @@ class Server:
             if len(body) > self.max_request_bytes:
                 raise self.too_large()
         try:
-            return await self.off_loop(model.model_validate_json, bytes(body))
+            parsed = await self.off_loop(model.model_validate_json, bytes(body))
         except ValidationError as error:
             raise validation_error(error.errors(include_url=False, include_input=False)) from None
+        unsupported = parsed.unsupported()
+        if unsupported:
+            raise APIError(400, f"unsupported field {unsupported[0]!r}: this server does not implement it (fields "
+                                f"it does not implement are refused, not ignored)", param=unsupported[0],
+                           code="unsupported_field")
+        return parsed
 
     def too_large(self) -> APIError:
         return APIError(413, f"the request body exceeds {self.max_request_bytes} bytes (the server's "
@@ -221,10 +237,18 @@ class Server:
             max_new_tokens=max_tokens, do_sample=not greedy, temperature=1.0 if greedy else body.temperature,
             top_k=None if greedy or body.top_k in (None, -1) else body.top_k,
             top_p=None if greedy or body.top_p >= 1 else body.top_p, seed=body.seed,
-            eos_token_id=[] if body.ignore_eos else None, num_return_sequences=body.n, logprobs=logprobs,
+            eos_token_id=self.stop_tokens(body), num_return_sequences=body.n, logprobs=logprobs,
             repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, logit_bias=body.logit_bias, min_new_tokens=body.min_tokens,
         )
+
+    def stop_tokens(self, body: SamplingRequest) -> list[int] | None:
+        """The tokens that end an output: the model's end-of-sequence tokens (unless ``ignore_eos``)
+        and vLLM's ``stop_token_ids``; None: the model's alone."""
+        if not body.ignore_eos and not body.stop_token_ids:
+            return None
+        eos = [] if body.ignore_eos else self.engine.model.generation_config.eos_token_id
+        return [*([eos] if isinstance(eos, int) else eos or []), *body.stop_token_ids]
 
     def encode(self, prompts: list[str | list[int]]) -> list[list[int]]:
         """Token ids of each prompt (a worker thread's job: tokenising may take long)."""
@@ -248,7 +272,7 @@ class Server:
         """Submit every prompt or none."""
         events: asyncio.Queue = asyncio.Queue()
         requests = await self.runner.submit(prompts, params, events)
-        choices = [Choice(self.tokenizer, stops) for r in requests for _ in range(r.n)]
+        choices = [Choice(self.tokenizer, stops, p.min_new_tokens) for r, p in zip(requests, params) for _ in range(r.n)]
         return Call(requests, events, choices)
 
     async def events(self, call: Call) -> AsyncIterator[int]:
@@ -314,7 +338,9 @@ def completion_logprobs(choice: Choice, start: int, offset: int) -> dict | None:
         offsets.append(position)
         position += len(text)
     return {"tokens": tokens, "token_logprobs": [reported(lp.logprob) for _, lp in choice.logprobs[start:]],
-            "top_logprobs": [{choice.token_text(t): reported(v) for t, v in lp.top} for _, lp in choice.logprobs[start:]],
+            # as OpenAI's: the sampled token among each position's alternatives, whatever its rank
+            "top_logprobs": [{choice.token_text(i): reported(v) for i, v in lp.top} | {choice.token_text(t): reported(lp.logprob)}
+                             for t, lp in choice.logprobs[start:]],
             "text_offset": offsets}
 
 

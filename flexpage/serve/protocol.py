@@ -1,16 +1,18 @@
 """The OpenAI API's request and response bodies (the fields real clients send and read).
 
-Unknown request fields are tolerated (clients send many); known ones are checked here, and what
-only the engine can judge (prompt length, token ids) is checked when the request is submitted.
-Known fields the server cannot honour (tools, images, structured output, echo, ...) are refused
-with a 400 naming the field, never silently dropped.
+A null for a field is its default, as OpenAI and vLLM take it (the openai client sends options it
+was given as None). Fields are checked here, and what only the engine can judge (prompt length,
+token ids) when the request is submitted. Fields the server does not implement — known ones
+(tools, images, structured output, echo, ...) and unknown ones (vLLM's ``min_p``, guided decoding,
+typos) — are refused with a 400 naming the field, never silently dropped; only fields that ask
+nothing of the output (``INFORMATIONAL``) are accepted and ignored.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -19,10 +21,28 @@ from ..engine.penalties import MAX_BIAS, MAX_PENALTY, REPETITION_PENALTY_RANGE
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 512  # characters per stop string
+MAX_STOP_TOKENS = 64
+
+
+# request fields that ask nothing of the output: accepted, ignored
+INFORMATIONAL = frozenset({"store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier",
+                           "parallel_tool_calls"})
 
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """A field sent as null takes its default."""
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None or key not in cls.model_fields}
+        return data
+
+    def unsupported(self) -> list[str]:
+        """The request's fields the server does not implement (neither declared nor ``INFORMATIONAL``)."""
+        return sorted(set(self.model_extra or ()) - INFORMATIONAL)
 
 
 class StreamOptions(OpenAIModel):
@@ -45,7 +65,8 @@ class SamplingRequest(OpenAIModel):
     frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     repetition_penalty: float = Field(default=1.0, ge=REPETITION_PENALTY_RANGE[0],
                                       le=REPETITION_PENALTY_RANGE[1])  # vLLM's extension
-    min_tokens: int = Field(default=0, ge=0)  # vLLM's extension: no stop token before this many
+    min_tokens: int = Field(default=0, ge=0)  # vLLM's extension: no stop token or string before this many
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default=[], max_length=MAX_STOP_TOKENS)  # vLLM's
     logit_bias: dict[int, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] | None = None  # token id -> bias
     stream: bool = False
     stream_options: StreamOptions | None = None
