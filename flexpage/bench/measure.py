@@ -263,6 +263,16 @@ def notebook_results(benchmark: str, committed: str) -> tuple[dict, str, str]:
         return json.load(f), os.path.dirname(path), figures
 
 
+def save_run(args: argparse.Namespace, records: list[dict], meta: dict, plot: Callable[[list[dict], dict, str], None]
+             ) -> None:
+    """Write a run into its results folder (``out_dir``) as ``<--name>.csv`` / ``.json`` (the records,
+    with ``meta``) and its figure, ``plot(meta["summary"], meta, "<--name>.png")``."""
+    stem = os.path.join(out_dir(args), args.name)
+    write_records(stem, records, meta)
+    plot(meta["summary"], meta, stem + ".png")
+    print(f"wrote {stem}.csv, {stem}.json, {stem}.png")
+
+
 def write_records(path_stem: str, records: list[dict], meta: dict) -> None:
     """Write ``records`` as ``<stem>.csv`` and, with ``meta``, as ``<stem>.json``."""
     import csv

@@ -18,7 +18,6 @@ its ratio to the roofline of the same round.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -29,8 +28,8 @@ from transformers import LogitsProcessorList, PreTrainedModel
 
 import flexpage
 from flexpage import zoo
-from flexpage.bench.measure import (TokenClock, add_run_arguments, caption, finish_axes, machine_info, out_dir,
-                                    save_figure, write_records)
+from flexpage.bench.measure import (TokenClock, add_run_arguments, caption, finish_axes, machine_info,
+                                    save_figure, save_run)
 from flexpage.bench.steps import step_ms
 
 BATCH_ONE = ("stock", "wrap", "wrap_compiled", "engine")  # configurations timed at batch 1
@@ -184,10 +183,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"({row['read_gb_per_s']} GB/s)  x{row['x_roofline']:.2f}", flush=True)
     meta = {"machine": machine_info(), "model": args.model, "new_tokens": args.new_tokens, "rounds": args.rounds,
             "command": " ".join(sys.argv), "summary": summary}
-    stem = os.path.join(out_dir(args), args.name)
-    write_records(stem, records, meta)
-    plot(summary, meta, stem + ".png")
-    print(f"wrote {stem}.csv, {stem}.json, {stem}.png")
+    save_run(args, records, meta, plot)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ Engines alternate, their order flipping every round; each configuration's best r
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -24,8 +23,7 @@ from tqdm.auto import tqdm
 
 import flexpage
 from flexpage import zoo
-from flexpage.bench.measure import (add_run_arguments, caption, finish_axes, machine_info, out_dir, save_figure,
-                                    write_records)
+from flexpage.bench.measure import add_run_arguments, caption, finish_axes, machine_info, save_figure, save_run
 
 CONFIGS = {"compiled": True, "eager": False}  # name -> Engine(compile_decode=...)
 
@@ -105,10 +103,7 @@ def main(argv: list[str] | None = None) -> None:
               f"ratio {best['compiled'] / best['eager']:.2f}", flush=True)
     meta = {"machine": machine_info(), "model": args.model, "context": args.context, "new_tokens": args.new_tokens,
             "rounds": args.rounds, "command": " ".join(sys.argv), "summary": summary}
-    stem = os.path.join(out_dir(args), args.name)
-    write_records(stem, records, meta)
-    plot(summary, meta, stem + ".png")
-    print(f"wrote {stem}.csv, {stem}.json, {stem}.png")
+    save_run(args, records, meta, plot)
 
 
 if __name__ == "__main__":
