@@ -214,7 +214,8 @@ def packed_attention(
     elif decoded:  # a batch of one-token rows: [1, H, n, D] -> [decode_len, H, 1, D] -> [1, H, n, D]
         group = query_group(query, key_pool) if block_mask.group is None else block_mask.group
         mask, score_mod = block_mask.decode_region(window, cap, group)
-        rows = F.pad(query[0, :, :decoded].transpose(0, 1), (0, 0, 0, 0, 0, plan.decode_len - decoded))[:, :, None]
+        rows = F.pad(query[0, :, :decoded].transpose(0, 1), (0, 0, 0, 0, 0, plan.decode_len - decoded))
+        rows = rows.contiguous()[:, :, None]  # padding nothing keeps the transposed strides: the kernel reads rows
         out = rows_attention(rows, key_pool, value_pool, mask, score_mod, scale, group)
         outputs.append(out[:decoded, :, 0].transpose(0, 1)[None])
     if plan.q_len > decoded and sdpa_over_pages(query.device, cap, 1):  # one SDPA call per chunk
