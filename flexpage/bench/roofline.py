@@ -33,6 +33,7 @@ from flexpage.bench.measure import (TokenClock, add_run_arguments, caption, fini
 from flexpage.bench.steps import step_ms
 
 BATCH_ONE = ("stock", "wrap", "wrap_compiled", "engine")  # configurations timed at batch 1
+STEP_TOKENS = 512  # the Engine's max_tokens_per_step
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -88,14 +89,20 @@ def build(model_name: str, dtype: torch.dtype, tokens: int, max_batch: int) -> d
         "wrap": flexpage.wrap(load(), max_cached_tokens=tokens),
         "wrap_compiled": flexpage.wrap(load(), max_cached_tokens=tokens, compile_decode=True),
         "engine": flexpage.Engine(load(), max_cached_tokens=max_batch * tokens, max_batch_size=max_batch,
-                                  max_tokens_per_step=512, prefix_caching=False),
+                                  max_tokens_per_step=STEP_TOKENS, prefix_caching=False),
     }
+
+
+def engine_new_tokens(batch: int, context: int, new_tokens: int) -> int:
+    """Tokens each of ``batch`` requests generates so that all of them decode together for about
+    ``new_tokens`` steps: the first ones decode while the last prompts are still being prefilled."""
+    return new_tokens + -(-batch * context // (STEP_TOKENS - batch))
 
 
 def measure(configs: dict, config: str, context: int, batch: int, new_tokens: int, seed: int) -> float:
     """One cell: ms per token (batch 1) or per decode step (an Engine's, batch > 1)."""
     if config == "engine":
-        return step_ms(configs["engine"], batch, context, new_tokens, seed)
+        return step_ms(configs["engine"], batch, context, engine_new_tokens(batch, context, new_tokens), seed)
     return generate_ms(configs[config], context, new_tokens)
 
 
@@ -146,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     args.model = zoo.chosen_model(args)
     if args.quick:
         args.dtypes, args.lengths, args.batches, args.rounds, args.new_tokens = ["float32"], [64], [1, 2], 1, 6
-    tokens = max(args.lengths) + 2 * args.new_tokens + 64  # a sequence's pages, whole
+    longest = max(args.lengths)  # a sequence's pages, whole
+    tokens = longest + engine_new_tokens(max(args.batches), longest, args.new_tokens) + 64
     cells = [(length, batch, config) for length in args.lengths for batch in args.batches
              for config in (BATCH_ONE if batch == 1 else ("engine",))]
     records = []
