@@ -120,9 +120,10 @@ def plot(summary: list[dict], meta: dict, path: str) -> None:
         for config in BATCH_ONE:
             points = sorted((r["length"], r["ms"]) for r in ones if r["config"] == config)
             ax.plot(*zip(*points), marker="o", label=config)
-        roof = sorted({(r["length"], r["roofline_ms"]) for r in ones})
-        ax.plot(*zip(*roof), color="black", ls="--", label="roofline (read weights + K/V once)")
+        roof = [min(r["roofline_ms"] for r in ones if r["length"] == length) for length in lengths]
+        ax.plot(lengths, roof, color="black", ls="--", label="roofline (read weights + K/V once)")
         ax.set(xscale="log", xlabel="context tokens", ylabel="ms per token (best round)", title=f"batch 1, {dtype}")
+        ax.minorticks_off()
         finish_axes(ax, lengths)
     ax = axes[0][-1]
     for dtype in dtypes:
@@ -133,6 +134,7 @@ def plot(summary: list[dict], meta: dict, path: str) -> None:
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set(xscale="log", xlabel="context tokens", ylabel="step time / roofline",
            title="Engine decode step vs roofline, by batch")
+    ax.minorticks_off()
     finish_axes(ax, lengths)
     fig.suptitle(caption(meta), fontsize=8)
     save_figure(fig, path)
