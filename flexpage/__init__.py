@@ -9,6 +9,7 @@ from .engine import Engine
 from .engine.requests import EngineStats, SamplingParams, StepOutput, TokenLogprobs
 from .engine.engine import DraftModel
 from .engine.speculative import NgramProposer
+from .engine.structured import Grammar, GrammarLogitsProcessor, Grammars
 from .errors import (FlexpageError, InvalidRequestError, OutOfPagesError, RequestFailedError, StepFailedError,
                      UnsupportedModelError)
 from .hf import PagedState, paged_state, unwrap, wrap
@@ -19,6 +20,9 @@ __all__ = [
     "Engine",
     "EngineStats",
     "FlexpageError",
+    "Grammar",
+    "GrammarLogitsProcessor",
+    "Grammars",
     "InvalidRequestError",
     "NgramProposer",
     "OutOfPagesError",

@@ -11,6 +11,7 @@ the same steps.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections import deque
 from typing import Any, Collection, Iterator
@@ -31,6 +32,7 @@ from .requests import (EngineStats, SamplingParams, StepOutput, StepSummary, che
 from .scheduler import Scheduler
 from .sequence import Sequence, sample_generator
 from .speculative import Proposer, proposer
+from .structured import Grammar, Grammars
 
 class Engine:
     """Serve many token-id prompts from one paged KV cache of ``max_cached_tokens`` tokens.
@@ -85,6 +87,8 @@ class Engine:
                           pack_weights=pack_weights)
         state = paged_state(self.model)
         self.cache, self.tokenizer = state.cache, tokenizer
+        self._grammars: Grammars | None = None  # made for the tokenizer when the first grammar is asked for
+        self._grammars_lock = threading.Lock()
         self.runner = ModelRunner(self.model, self.cache, state.cache_argument, max_batch_size, max_tokens_per_step,
                                   compile_decode, state.linears)
         self.blocks = BlockManager(self.cache, prefix_caching)
@@ -114,6 +118,17 @@ class Engine:
     def preemptions(self) -> int:
         """Sequences preempted so far (pages freed, recomputed later)."""
         return self.scheduler.preemptions
+
+    def grammar(self, kind: str, spec: Any = None) -> Grammar:
+        """A structured-output grammar for ``SamplingParams(grammar=...)`` (``Grammars.compile``:
+        ``json_schema``, ``json_object``, ``regex``, ``choice`` or ``grammar``), compiled for the
+        engine's tokenizer and cached; ``InvalidRequestError`` if the spec is invalid."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("structured outputs need Engine(..., tokenizer=...)")
+        with self._grammars_lock:  # a server compiles on several threads
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size)
+        return self._grammars.compile(kind, spec)
 
     def queue(self) -> tuple[list[int], list[int]]:
         """Output indices of the sequences running now and of those waiting (new or preempted)."""
@@ -154,7 +169,7 @@ class Engine:
         """Serve ``prompts`` (all validated before any runs) and yield ``(output index, token)``
         as tokens are produced. ``max_new_tokens`` may be one value or one per prompt; other
         options (``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed``,
-        ``eos_token_id``, ``num_return_sequences``) apply to every prompt. With
+        ``eos_token_id``, ``num_return_sequences``, ``grammar``, ...) apply to every prompt. With
         ``num_return_sequences=n`` sample ``j`` of prompt ``i`` is output ``i * n + j``, as in
         ``generate()``. Closing the stream early cancels its unfinished requests (pages freed)."""
         params = all_checked(prompts, per_prompt_params(len(prompts), max_new_tokens, sampling), self._checked)

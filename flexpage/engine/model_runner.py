@@ -2,7 +2,7 @@
 
 It turns a ``Batch`` (its slots reserved when it was scheduled) into the step's inputs (token ids,
 positions, the packed plan and its ``PackedBlockMask``), runs one forward, and picks the next
-tokens: penalties and bias, greedy or sampled (each sequence with its own generator), logprobs, a
+tokens: penalties and bias, what a request's grammar allows, greedy or sampled (each sequence with its own generator), logprobs, a
 request whose pick fails failing alone. It owns the step shapes: attention's region sizes are
 bucketed (powers of two), so a few compiled attention graphs serve every mix of lengths, all
 compiled by ``warmup()``; an eager step's linear layers see each decode token once (17 decode
@@ -35,6 +35,7 @@ from .penalties import adjust_logits
 from .requests import TokenLogprobs
 from .sampling import Sampler, greedy_tokens
 from .sequence import Batch, Pick, Sequence
+from .structured import GrammarError, mask_disallowed
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,12 @@ class ModelRunner:
     def _take(self, logits: torch.Tensor, asks: list[tuple[Sequence, int, list[int]]], picks: list[Pick]) -> list[bool]:
         """Pick a token for each ask and add it to its ``Pick`` (or its failure); returns which succeeded."""
         tokens, logprobs, failed = self.pick(logits, asks)
-        for (seq, _, _), pick, token in zip(asks, picks, tokens):
+        for i, ((seq, _, _), pick, token) in enumerate(zip(asks, picks, tokens)):
+            if token is not None and seq.constraint is not None:
+                try:
+                    seq.constraint.take(token)
+                except GrammarError as error:
+                    token, tokens[i], failed[seq.index] = None, None, str(error)
             if token is None:
                 pick.error = failed[seq.index]
             else:
@@ -225,10 +231,18 @@ class ModelRunner:
         the step (``Sampler``), each from its sequence's generator."""
         params = [seq.params for seq, _, _ in asks]
         rows = [row for _, row, _ in asks]
-        if any(p.adjusts_logits for p in params):  # a float copy, a row per sequence, to adjust
+        if any(p.masks_logits for p in params):  # a float copy, a row per sequence, to adjust
             logits = logits[host_tensor(rows, logits.device)].float()
-            adjust_logits(logits, [tokens for _, _, tokens in asks], [seq.prompt_len for seq, _, _ in asks],
-                          params, [seq.stop_token_ids for seq, _, _ in asks])
+            if any(p.adjusts_logits for p in params):
+                adjust_logits(logits, [tokens for _, _, tokens in asks], [seq.prompt_len for seq, _, _ in asks],
+                              params, [seq.stop_token_ids for seq, _, _ in asks])
+            constrained = [i for i, (seq, _, _) in enumerate(asks) if seq.constraint is not None]
+            if constrained:  # then what each grammar allows next
+                whole = len(constrained) == len(asks)
+                chosen = logits if whole else logits[host_tensor(constrained, logits.device)]
+                mask_disallowed(chosen, [asks[i][0].constraint.allowed() for i in constrained])
+                if not whole:
+                    logits[host_tensor(constrained, logits.device)] = chosen
             rows = list(range(len(asks)))
         drawn = [i for i, p in enumerate(params) if p.do_sample]
         greedy = greedy_tokens(logits) if len(drawn) < len(asks) else None  # the argmax of every row

@@ -6,12 +6,15 @@ step, ``EngineStats``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 from typing import Sequence as Seq
 
 from ..errors import InvalidRequestError
 from .penalties import MAX_BIAS, MAX_PENALTY, REPETITION_PENALTY_RANGE
 from .sampling import MIN_TEMPERATURE
+
+if TYPE_CHECKING:
+    from .structured import Grammar
 
 MAX_LOGPROBS = 20  # top alternatives a request may ask for (as OpenAI's API)
 SEED_RANGE = (-(2**63), 2**63 - 1)  # int64, as vLLM's; a generator takes seed + sample number
@@ -36,6 +39,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # in [-2, 2]
     logit_bias: Mapping[int, float] | None = None  # token id -> bias in [-100, 100]
     min_new_tokens: int = 0  # no stop token before this many new tokens
+    grammar: Grammar | None = None  # structured output: every output follows it (``Engine.grammar``)
 
     def check(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -74,6 +78,11 @@ class SamplingParams:
         return bool(self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty
                     or self.logit_bias or self.min_new_tokens)
 
+    @property
+    def masks_logits(self) -> bool:
+        """Whether the pick sees changed logits: penalties, a bias, or a grammar."""
+        return self.adjusts_logits or self.grammar is not None
+
     def stop_tokens(self) -> frozenset[int]:
         eos = self.eos_token_id
         return frozenset() if eos is None else frozenset([eos] if isinstance(eos, int) else eos)
@@ -94,7 +103,7 @@ class StepOutput:
 
     index: int  # the output's index (request index + sample number)
     token: int | None  # None: the request failed (``error``), already aborted
-    finish_reason: str | None  # "stop" (a stop token), "length", "error"; None while it runs
+    finish_reason: str | None  # "stop" (a stop token, or the grammar's end), "length", "error"; None while it runs
     logprobs: TokenLogprobs | None = None  # when the request asks for them
     cached_tokens: int | None = None  # with its first token: prompt tokens served from the prefix cache
     first_token_seconds: float | None = None  # with its first token: seconds from submission

@@ -114,6 +114,8 @@ class Scheduler:
         proposals = self.propose([(seq.tokens, limit) for seq, limit in asks]) if asks else []
         for (seq, _), drafts in zip(asks, proposals):
             drafts = drafts[:spare]
+            if seq.constraint is not None and drafts:  # drafts its grammar refuses would be rejected anyway
+                drafts = drafts[: seq.constraint.valid_prefix(drafts)]
             n = self.blocks.tokens_fitting(seq, 1 + len(drafts), free + needed[seq.index])
             cost = cdiv(n, self.chunk_block) * self.chunk_block  # a row of the chunk region, for its decode token
             if n > 1 and cost - 1 <= spare:
@@ -144,8 +146,7 @@ class Scheduler:
             for token, logprobs in zip(pick.tokens, pick.logprobs):
                 first = len(seq.tokens) == seq.prompt_len
                 seq.append(token)
-                reason = ("stop" if token in seq.stop_token_ids else "length") if seq.finished else None
-                records.append(StepOutput(seq.index, token, reason, logprobs, seq.cached_tokens if first else None,
+                records.append(StepOutput(seq.index, token, seq.finish_reason, logprobs, seq.cached_tokens if first else None,
                                           time.perf_counter() - seq.arrival if first else None))
             if seq.drafts:
                 self.settle(seq, pick.accepted)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .requests import SamplingParams, TokenLogprobs
+from .structured import Constraint
 
 
 def sample_generator(params: SamplingParams, sample: int, device: torch.device) -> torch.Generator | None:
@@ -52,9 +53,13 @@ class Sequence:
     draft_pause: int = 0  # steps to decode without drafts after a run of rejections
     draft_misses: int = 0  # verifications in a row that accepted nothing
     stop_token_ids: frozenset[int] = field(init=False)
+    constraint: Constraint | None = field(init=False)  # where the output is in its grammar (if it has one)
+    finish_reason: str | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.stop_token_ids = self.params.stop_tokens()
+        grammar = self.params.grammar
+        self.constraint = None if grammar is None else grammar.constraint(self.stop_token_ids)
 
     @property
     def max_new_tokens(self) -> int:
@@ -69,14 +74,18 @@ class Sequence:
         """Tokens whose K/V still need computing (1 for a sequence in decode)."""
         return len(self.tokens) - self.num_computed
 
-    def ends_with(self, token: int, length: int) -> bool:
-        """Whether ``token``, appended as the ``length``-th token, ends the sequence (a stop token
-        or ``max_new_tokens`` reached)."""
-        return token in self.stop_token_ids or length - self.prompt_len >= self.max_new_tokens
+    def ends_with(self, token: int, length: int) -> str | None:
+        """Why ``token``, appended as the ``length``-th token, ends the sequence: "stop" (a stop
+        token, or the end of its grammar, which has taken the token), "length" (``max_new_tokens``
+        reached), or None."""
+        if token in self.stop_token_ids or (self.constraint and self.constraint.ended_at == length - self.prompt_len):
+            return "stop"
+        return "length" if length - self.prompt_len >= self.max_new_tokens else None
 
     def append(self, token: int) -> None:
         self.tokens.append(token)
-        self.finished = self.ends_with(token, len(self.tokens))
+        self.finish_reason = self.ends_with(token, len(self.tokens))
+        self.finished = self.finish_reason is not None
 
 
 @dataclass

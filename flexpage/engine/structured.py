@@ -1,0 +1,192 @@
+"""Structured outputs: an output held to a grammar — a JSON schema, any JSON object, a regular
+expression, a choice of strings or a Lark grammar — token by token, through llguidance.
+
+``Grammars`` compiles grammars for one tokenizer (each one validated, and cached by its spec); a
+request carries its ``Grammar`` (``SamplingParams.grammar``) and each of its outputs follows it
+with a ``Constraint`` of its own: before each pick it names the tokens the grammar allows next
+(``mask_disallowed`` takes the others out of the logits), after it takes the picked token. The
+request's stop tokens are allowed wherever the grammar may end, and an output whose grammar can
+take no further token ends there ("stop"); one that reaches ``max_new_tokens`` first ends with
+"length", as in vLLM. ``generate()`` (stock or wrapped) follows a grammar through a
+``GrammarLogitsProcessor``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from threading import Lock
+from typing import Any, Collection, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+from transformers import LogitsProcessor
+
+from ..errors import FlexpageError, InvalidRequestError
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")  # what a grammar may be given as
+CACHED_GRAMMARS = 256  # compiled grammars kept per tokenizer (least recently used dropped)
+JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: a model cannot stall in whitespace
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+        import llguidance.hf
+    except ImportError:  # pragma: no cover - a dependency; said plainly if an install lacks it
+        raise InvalidRequestError("structured outputs need the llguidance package (pip install llguidance)") from None
+    return llguidance
+
+
+@dataclass(frozen=True, eq=False)
+class Grammar:
+    """A compiled, validated grammar for one tokenizer (``Grammars.compile``)."""
+
+    kind: str
+    definition: str = field(repr=False)  # llguidance's grammar text
+    tokenizer: Any = field(repr=False)  # llguidance's tokenizer
+
+    def constraint(self, stop_tokens: Collection[int]) -> Constraint:
+        """A fresh follower of this grammar for one output that ``stop_tokens`` end."""
+        return Constraint(self, stop_tokens)
+
+
+class Grammars:
+    """Compiles grammars for ``tokenizer`` (a transformers fast tokenizer) over a model's
+    ``vocab_size`` tokens. Thread-safe: a server compiles off its engine thread."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        llguidance = _llguidance()
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
+        self._lock = Lock()
+
+    def compile(self, kind: str, spec: Any = None) -> Grammar:
+        """The grammar of ``kind`` given by ``spec``: ``json_schema`` (a schema, dict or JSON text),
+        ``json_object`` (any JSON object; no spec), ``regex`` (a pattern), ``choice`` (a list of
+        strings: exactly one of them) or ``grammar`` (Lark, or GBNF/EBNF as llama.cpp writes it).
+        Raises ``InvalidRequestError`` naming the kind and what is wrong with the spec."""
+        key = (kind, json.dumps(spec, sort_keys=True) if not isinstance(spec, str) else spec)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        grammar = Grammar(kind, self._definition(kind, spec), self.tokenizer)
+        with self._lock:
+            self._cache[key] = grammar
+            while len(self._cache) > CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def _definition(self, kind: str, spec: Any) -> str:
+        """llguidance's grammar text for ``spec``, validated against the tokenizer."""
+        llguidance = _llguidance()
+        matcher = llguidance.LLMatcher
+        try:
+            if kind == "json_schema":
+                if not isinstance(spec, (dict, str, bool)):
+                    raise ValueError("a JSON schema is an object")
+                definition = matcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
+            elif kind == "json_object":
+                definition = matcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+            elif kind == "regex":
+                if not isinstance(spec, str):
+                    raise ValueError("a regex is a string")
+                definition = matcher.grammar_from_regex(spec)
+            elif kind == "choice":
+                if not (isinstance(spec, list) and spec and all(isinstance(s, str) and s for s in spec)):
+                    raise ValueError("a choice is a non-empty list of non-empty strings")
+                definition = matcher.grammar_from_lark("start: " + " | ".join(json.dumps(s) for s in spec))
+            elif kind == "grammar":
+                if not isinstance(spec, str):
+                    raise ValueError("a grammar is a string")
+                definition = llguidance.grammar_from("grammar", spec)
+            else:
+                raise ValueError(f"unknown kind; one of {', '.join(KINDS)}")
+        except (ValueError, TypeError) as error:
+            raise InvalidRequestError(f"invalid {kind}: {error}") from None
+        problem = matcher.validate_grammar(definition, self.tokenizer)
+        if problem:
+            raise InvalidRequestError(f"invalid {kind}: {problem.strip()}")
+        return definition
+
+
+class Constraint:
+    """One output's place in its grammar: which tokens may come next (``allowed``), the tokens
+    it took (``take``), and where the grammar ended the output (``ended_at``)."""
+
+    def __init__(self, grammar: Grammar, stop_tokens: Collection[int]) -> None:
+        self.matcher = _llguidance().LLMatcher(grammar.tokenizer, grammar.definition, log_level=0)
+        self.stop_tokens = frozenset(stop_tokens)
+        self._stop_index = np.array(sorted(self.stop_tokens), dtype=np.int64)
+        self._grammar_end = np.array(grammar.tokenizer.eos_tokens, dtype=np.int64)
+        self.vocab_size = grammar.tokenizer.vocab_size
+        self.taken = 0  # output tokens taken
+        self.ended_at: int | None = None  # output length at which the grammar could take no more tokens
+        self.stopped = False  # a stop token was taken
+
+    def allowed(self) -> np.ndarray:
+        """A boolean per vocabulary entry: may it come next? The tokenizer's end-of-sequence token
+        stands in llguidance's mask for the grammar's end: the output's own stop tokens take its place."""
+        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        allowed = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
+        allowed[self._grammar_end] = False
+        if self.matcher.is_accepting():
+            allowed[self._stop_index] = True
+        return allowed
+
+    def take(self, token: int) -> None:
+        """Advance past an output token (a stop token ends the output: nothing to take)."""
+        if token in self.stop_tokens:
+            self.stopped = True
+            return
+        if not self.matcher.consume_token(token):
+            raise GrammarError(f"token {token} does not follow the grammar: {self.matcher.get_error()}")
+        self.taken += 1
+        if self.matcher.is_stopped():
+            self.ended_at = self.taken
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` the grammar accepts from here, in order (speculative drafts)."""
+        return self.matcher.validate_tokens(list(tokens))
+
+
+class GrammarError(FlexpageError, RuntimeError):
+    """A token was picked that its output's grammar does not allow."""
+
+
+def mask_disallowed(logits: Tensor, allowed: list[np.ndarray]) -> None:
+    """Set to -inf, in place, each row's logits (``[rows, vocab]``) its ``allowed`` says may not come next."""
+    keep = torch.from_numpy(np.stack(allowed)).to(logits.device)
+    width = min(keep.shape[1], logits.shape[1])  # a padded LM head's extra entries are never allowed
+    logits[:, width:] = float("-inf")
+    logits[:, :width].masked_fill_(~keep[:, :width], float("-inf"))
+
+
+class GrammarLogitsProcessor(LogitsProcessor):
+    """Holds every output row of one ``generate()`` call to ``grammar`` (greedy or sampled, not
+    beam search: beams reorder rows): pass it in ``logits_processor``, a fresh one per call.
+    ``eos_token_id``: the tokens that end an output (the model's ``generation_config``'s)."""
+
+    def __init__(self, grammar: Grammar, eos_token_id: int | Sequence[int] | None) -> None:
+        self.grammar = grammar
+        self.stop_tokens = frozenset([] if eos_token_id is None else
+                                     [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+        self.constraints: list[Constraint] | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.constraints is None:  # the first step: nothing generated yet
+            self.constraints = [self.grammar.constraint(self.stop_tokens) for _ in range(len(input_ids))]
+        else:
+            for constraint, token in zip(self.constraints, input_ids[:, -1].tolist()):
+                if not constraint.stopped and constraint.ended_at is None:  # a finished row is padded
+                    constraint.take(token)
+        allowed = [c.allowed() for c in self.constraints]
+        for row in allowed:
+            if not row.any():  # a finished row with no stop token: anything (generate pads it)
+                row[:] = True
+        scores = scores.clone()
+        mask_disallowed(scores, allowed)
+        return scores
