@@ -19,8 +19,15 @@ from transformers import PreTrainedTokenizerFast
 ROOT = Path(__file__).resolve().parents[1]
 SPECIAL = ["<pad>", "<s>", "</s>"]
 NEVER_IN_UTF8 = {0xC0, 0xC1, *range(0xF5, 0x100)}
+# Hermes-style tools: listed in a system turn; a call is <tool_call>{"name": ..., "arguments": {...}}</tool_call>
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+    "{% if tools %}<|system|>\nYou may call these functions. To call one, answer with "
+    "<tool_call>{\"name\": <function name>, \"arguments\": <arguments as a JSON object>}</tool_call>.\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n{% endif %}"
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] or '' }}"
+    "{% for call in message['tool_calls'] or [] %}<tool_call>{\"name\": {{ call['function']['name'] | tojson }}, "
+    "\"arguments\": {% if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}"
+    "{% else %}{{ call['function']['arguments'] | tojson }}{% endif %}}</tool_call>{% endfor %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 

@@ -16,10 +16,10 @@ from flexpage.serve.protocol import ChatCompletionRequest, CompletionRequest
 def test_a_null_field_takes_its_default_and_unimplemented_fields_are_named():
     body = CompletionRequest.model_validate({"prompt": "hi", "temperature": None, "top_p": None, "n": None,
                                              "stream": None, "echo": None, "max_tokens": None, "min_p": 0.1,
-                                             "store": True, "guided_regex": "a+"})
+                                             "store": True, "guided_decoding_backend": "xgrammar"})
     assert (body.temperature, body.top_p, body.n, body.stream, body.echo, body.max_tokens) == (1.0, 1.0, 1, False,
                                                                                                 False, 16)
-    assert body.unsupported() == ["guided_regex", "min_p"]  # "store" asks nothing of the output
+    assert body.unsupported() == ["guided_decoding_backend", "min_p"]  # "store" asks nothing of the output
     chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x", "name": "n"}],
                                                  "logprobs": None, "tools": None})
     assert chat.logprobs is False and chat.unsupported() == []

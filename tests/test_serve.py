@@ -14,6 +14,7 @@ import sys
 import threading
 from pathlib import Path
 
+import jsonschema
 import openai
 import pytest
 import torch
@@ -226,19 +227,160 @@ def test_bad_requests_get_openai_errors_and_change_nothing(served):
         with pytest.raises(openai.BadRequestError) as error:
             client.completions.create(**kwargs)
         assert message in error.value.body["message"] and error.value.body["type"] == "invalid_request_error"
-    with pytest.raises(openai.BadRequestError, match="response_format"):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                       response_format={"type": "json_object"})
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    for kwargs, message, param in [  # structured outputs and tools asked for wrongly
+        (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}),
+         "invalid json_schema: Invalid type: objectx", "response_format"),
+        (dict(extra_body={"structured_outputs": {"regex": "a(b"}}), "invalid regex", "structured_outputs"),
+        (dict(extra_body={"guided_regex": "a", "guided_choice": ["a"]}), "at most one structured output", None),
+        (dict(response_format={"type": "json_schema"}), "json_schema is given with type", "response_format"),
+        (dict(response_format={"type": "json_object", "strict": True}), "Extra inputs", "response_format.strict"),
+        (dict(tools=tools, tool_choice={"type": "function", "function": {"name": "g"}}), "not among the tools", None),
+        (dict(tool_choice="required"), "needs tools", None),
+        (dict(tools=tools, tool_choice="required", response_format={"type": "json_object"}), "takes no other", None),
+        (dict(tools=[{"type": "function", "function": {"name": "bad name"}}]), "pattern", "tools.0.function.name"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as error:
+            client.chat.completions.create(**chat, **kwargs)
+        assert message in error.value.body["message"] and error.value.body["param"] == param
     status, body = fetch(served.base, "POST", "/v1/completions", b"{not json")
     assert status == 400 and json.loads(body)["error"]["type"] == "invalid_request_error"
     # a field the server does not implement is refused naming it, one that asks nothing of the output is not
-    for field in ({"not_an_openai_field": 1}, {"min_p": 0.1}, {"guided_json": {"type": "object"}}):
+    for field in ({"not_an_openai_field": 1}, {"min_p": 0.1}, {"guided_whitespace_pattern": " "}):
         with pytest.raises(openai.BadRequestError) as error:
             client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body=field)
         assert error.value.body["param"] == next(iter(field)) and "not implement" in error.value.body["message"]
     ok = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"store": False})
     assert len(ok.choices) == 1
     assert served.engine.cache.stats().pages_used == pages == 0
+
+
+SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "age": {"type": "integer", "minimum": 0,
+                                                                                   "maximum": 30},
+                                          "good": {"type": "boolean"}},
+          "required": ["kind", "age", "good"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the forecast", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1,
+                                                                                   "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+
+
+def chat_ids(tokenizer, messages, **options):
+    """The token ids of the chat template's prompt (as the server tokenises it)."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **options)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_structured_outputs_are_valid_and_greedy_ones_are_stocks(served, stock_llama):
+    """Every output valid for its schema — greedy, sampled with n > 1, streamed — and a greedy one
+    is stock ``generate()``'s held to the same grammar; the openai client's ``parse`` works."""
+    from pydantic import BaseModel
+    from typing import Literal
+
+    class Pet(BaseModel):
+        kind: Literal["cat", "dog"]
+        age: int
+        good: bool
+
+    client, messages = served.client, [{"role": "user", "content": "describe a pet"}]
+    parsed = client.chat.completions.parse(model=MODEL, messages=messages, response_format=Pet, temperature=0,
+                                           max_tokens=64)
+    (choice,) = parsed.choices
+    assert isinstance(choice.message.parsed, Pet) and choice.finish_reason == "stop"
+    prompt = chat_ids(served.tokenizer, messages)
+    grammar = flexpage.Grammars(served.tokenizer, 256).compile("json_schema", Pet.model_json_schema() | {"additionalProperties": False})  # as parse() sends it
+    eos = stock_llama.generation_config.eos_token_id
+    stock = stock_llama.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, pad_token_id=0,
+                                 logits_processor=[flexpage.GrammarLogitsProcessor(grammar, eos)])
+    assert choice.message.content == served.tokenizer.decode(stock[0, len(prompt):], skip_special_tokens=True)
+    form = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True}}
+    sampled = client.chat.completions.create(model=MODEL, messages=messages, response_format=form, n=3, seed=1,
+                                             temperature=1.3, max_tokens=64)
+    assert len({c.message.content for c in sampled.choices}) > 1
+    streamed = client.chat.completions.create(model=MODEL, messages=messages, response_format=form, seed=2,
+                                              max_tokens=64, stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
+    for content in [c.message.content for c in sampled.choices] + [text]:
+        jsonschema.validate(json.loads(content), SCHEMA)
+    anything = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, temperature=0,
+                                              response_format={"type": "json_object"})
+    assert anything.choices[0].message.content.startswith("{")  # random weights rarely close their first key
+    # vLLM's fields, on completions too
+    for extra, check in [({"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}}, r"[0-9]{3}-[a-z]{2}"),
+                         ({"guided_choice": ["red", "green"]}, "red|green"),
+                         ({"structured_outputs": {"grammar": 'start: "(" /[a-c]/+ ")"'}}, r"\([a-c]+\)")]:
+        out = client.completions.create(model=MODEL, prompt="x", max_tokens=24, n=2, seed=3, extra_body=extra)
+        assert all(re.fullmatch(check, c.text) and c.finish_reason == "stop" for c in out.choices)
+    cut = client.completions.create(model=MODEL, prompt="x", max_tokens=3, extra_body={"guided_json": SCHEMA})
+    assert cut.choices[0].finish_reason == "length"  # the grammar could not end within max_tokens
+    assert served.engine.cache.stats().pages_used == 0
+
+
+def test_tool_calls_round_trip_as_openai_clients_expect(served):
+    """A forced call (required, named) always parses, streamed as one; its answer goes back as a tool
+    message; with tool_choice auto the output is read for calls and the tools reach the template."""
+    client = served.client
+    messages = [{"role": "user", "content": "the weather in Oslo?"}]
+    tools = [WEATHER, TIME]
+    for choice_option in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        out = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice=choice_option,
+                                             parallel_tool_calls=False, temperature=0, max_tokens=160)
+        (choice,) = out.choices
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_")
+        spec = next(t["function"] for t in tools if t["function"]["name"] == call.function.name)
+        jsonschema.validate(json.loads(call.function.arguments), spec["parameters"])
+        if choice_option != "required":
+            assert call.function.name == "get_weather"
+    streamed = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice=choice_option,
+                                              parallel_tool_calls=False, temperature=0, max_tokens=160, stream=True)
+    chunks = [chunk.choices[0] for chunk in streamed if chunk.choices]
+    deltas = [call for c in chunks for call in c.delta.tool_calls or []]
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [
+        (0, call.function.name, call.function.arguments)]
+    assert chunks[-1].finish_reason == "tool_calls" and not any(c.delta.content for c in chunks)
+    many = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice="required",
+                                          n=4, seed=0, temperature=1.0, max_tokens=120)
+    for c in many.choices:  # sampled, with parallel calls allowed: every complete call parses
+        for sampled in c.message.tool_calls or []:
+            spec = next(t["function"] for t in tools if t["function"]["name"] == sampled.function.name)
+            jsonschema.validate(json.loads(sampled.function.arguments), spec["parameters"])
+    # the round trip: the call and the tool's answer go back; the model answers in text
+    history = messages + [out.choices[0].message.model_dump(exclude_none=True),
+                          {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    answer = client.chat.completions.create(model=MODEL, messages=history, tools=tools, temperature=0, max_tokens=8)
+    assert answer.choices[0].message.tool_calls is None and answer.choices[0].message.content
+    rendered = chat_ids(served.tokenizer, [
+        {"role": m["role"], "content": m.get("content") or "",
+         **({"tool_calls": [{"function": {"name": call.function.name, "arguments": json.loads(call.function.arguments)}}]}
+            if m.get("tool_calls") else {})} for m in history], tools=tools)
+    assert answer.usage.prompt_tokens == len(rendered)  # the call, the answer and the tools were all in the prompt
+    assert '<tool_call>{"name": "get_weather"' in served.tokenizer.decode(rendered)
+
+
+def test_tool_call_reader_finds_calls_in_text_as_it_grows():
+    from flexpage.serve.protocol import Tool
+    from flexpage.serve.tools import ToolCallReader
+
+    text = ('Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}</tool_call>\n'
+            '<tool_call>{"name": "nope", "arguments": {}}</tool_call><tool_call>{"name": "get_time", "arguments": '
+            '{"zone": "UTC"}}</tool_call>')
+    for size in (1, 3, 7, len(text)):  # fed in pieces of any size
+        reader = ToolCallReader([Tool.model_validate(WEATHER), Tool.model_validate(TIME)])
+        content, calls = "", []
+        for start in range(0, len(text), size):
+            piece, found = reader.feed(text[start:start + size], final=start + size >= len(text))
+            content, calls = content + piece, calls + found
+        assert content == 'Let me check. <tool_call>{"name": "nope", "arguments": {}}</tool_call>'
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+            ("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {"zone": "UTC"})]
+    reader = ToolCallReader([Tool.model_validate(WEATHER)])
+    assert reader.feed("no calls <tool_", final=False) == ("no calls ", [])  # a possible start is held back
+    assert reader.feed("x", final=True) == ("<tool_x", [])
 
 
 def test_429_only_when_the_waiting_room_is_full_now_and_400_for_a_call_that_never_fits(served):

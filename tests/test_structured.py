@@ -137,6 +137,19 @@ def test_constraint_allows_stop_tokens_only_where_the_grammar_may_end(tokenizer)
     assert constraint.valid_prefix([a]) == 0
 
 
+def test_json_object_takes_any_object_and_nothing_else(tokenizer):
+    grammar = Grammars(tokenizer, 256).compile("json_object")
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    for text in ['{"a":[1,{"b":null}],"c":"d"}', "{}"]:
+        constraint = grammar.constraint({2})
+        for token in encode(text):
+            assert constraint.allowed()[token]
+            constraint.take(token)
+        assert constraint.ended_at == len(encode(text))
+    for text in ["[1]", '"a"', "{'a':1}"]:
+        assert grammar.constraint({2}).valid_prefix(encode(text)) < len(encode(text))
+
+
 def test_wrapped_generate_follows_the_processor_as_stock(stock_llama, tokenizer):
     grammar = Grammars(tokenizer, 256).compile("json_schema", SCHEMA)
     eos = stock_llama.generation_config.eos_token_id

@@ -11,7 +11,6 @@ the same steps.
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from collections import deque
 from typing import Any, Collection, Iterator
@@ -87,8 +86,7 @@ class Engine:
                           pack_weights=pack_weights)
         state = paged_state(self.model)
         self.cache, self.tokenizer = state.cache, tokenizer
-        self._grammars: Grammars | None = None  # made for the tokenizer when the first grammar is asked for
-        self._grammars_lock = threading.Lock()
+        self.grammars = None if tokenizer is None else Grammars(tokenizer, self.model.config.vocab_size)
         self.runner = ModelRunner(self.model, self.cache, state.cache_argument, max_batch_size, max_tokens_per_step,
                                   compile_decode, state.linears)
         self.blocks = BlockManager(self.cache, prefix_caching)
@@ -123,12 +121,9 @@ class Engine:
         """A structured-output grammar for ``SamplingParams(grammar=...)`` (``Grammars.compile``:
         ``json_schema``, ``json_object``, ``regex``, ``choice`` or ``grammar``), compiled for the
         engine's tokenizer and cached; ``InvalidRequestError`` if the spec is invalid."""
-        if self.tokenizer is None:
+        if self.grammars is None:
             raise InvalidRequestError("structured outputs need Engine(..., tokenizer=...)")
-        with self._grammars_lock:  # a server compiles on several threads
-            if self._grammars is None:
-                self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size)
-        return self._grammars.compile(kind, spec)
+        return self.grammars.compile(kind, spec)
 
     def queue(self) -> tuple[list[int], list[int]]:
         """Output indices of the sequences running now and of those waiting (new or preempted)."""

@@ -55,13 +55,21 @@ class Grammar:
 
 class Grammars:
     """Compiles grammars for ``tokenizer`` (a transformers fast tokenizer) over a model's
-    ``vocab_size`` tokens. Thread-safe: a server compiles off its engine thread."""
+    ``vocab_size`` tokens, caching them by spec. Thread-safe: a server compiles off its engine thread."""
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
-        llguidance = _llguidance()
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        self.hf_tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._tokenizer: Any = None  # llguidance's, made with the first grammar (a second or so for 32k tokens)
         self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
         self._lock = Lock()
+
+    @property
+    def tokenizer(self) -> Any:
+        """llguidance's view of the tokenizer."""
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = _llguidance().hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size)
+            return self._tokenizer
 
     def compile(self, kind: str, spec: Any = None) -> Grammar:
         """The grammar of ``kind`` given by ``spec``: ``json_schema`` (a schema, dict or JSON text),

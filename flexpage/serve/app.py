@@ -1,8 +1,9 @@
 """The HTTP face of an Engine: OpenAI's completions and chat completions, models, health, metrics.
 
-Handlers turn a request into token-id prompts and ``SamplingParams``, submit them to the engine
-thread (``EngineRunner``), and turn its token events into text: incremental detokenisation, stop
-strings (never sent, not even partly while streaming), logprobs, usage and finish reasons.
+Handlers turn a request into token-id prompts and ``SamplingParams`` (a structured output or forced
+tool calls compiled to a grammar), submit them to the engine thread (``EngineRunner``), and turn
+its token events into text: incremental detokenisation, stop strings (never sent, not even partly
+while streaming), tool calls (``tools``), logprobs, usage and finish reasons.
 
 The event loop never waits on work that grows with a request: bodies are read up to a size
 limit, parsed, tokenised (chat templates too) and rendered as JSON on worker threads; each token's
@@ -32,11 +33,13 @@ from starlette.middleware.cors import CORSMiddleware
 
 from ..engine import Engine
 from ..engine.requests import SamplingParams, TokenLogprobs
+from ..engine.structured import Grammar, Grammars
 from ..errors import InvalidRequestError
 from .metrics import Metrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, ErrorBody, ErrorResponse, PromptTokensDetails,
                        SamplingRequest, Usage, new_id, now)
 from .runner import EngineFailedError, EngineRunner, Output, QueueFullError
+from .tools import ToolCallReader, tool_calls_grammar
 
 logger = logging.getLogger("flexpage.serve")
 
@@ -176,6 +179,7 @@ class Server:
         self.metrics = Metrics(model_name)
         self.runner = EngineRunner(engine, self.metrics, max_waiting)
         self.workers = ThreadPoolExecutor(HTTP_WORKERS, thread_name_prefix="flexpage-http-work")
+        self.grammars = Grammars(tokenizer, engine.model.config.vocab_size)
 
     async def off_loop(self, work: Callable[..., Any], *args: Any) -> Any:
         """``work(*args)`` on a worker thread."""
@@ -222,8 +226,22 @@ class Server:
             raise APIError(400, f"{count} prompts in one call: this server holds at most {self.runner.max_waiting} "
                                 f"waiting requests (--max-waiting)", param="prompt", code="too_many_prompts")
 
-    def params(self, body: SamplingRequest, prompt_len: int, max_tokens: int | None, logprobs: int | None
-               ) -> SamplingParams:
+    def grammar(self, body: SamplingRequest) -> Grammar | None:
+        """The request's structured output (or forced tool calls) compiled, or None; a 400 naming
+        the field if it is invalid (a worker thread's job: compiling a schema takes a while)."""
+        if isinstance(body, ChatCompletionRequest) and body.calls_forced:
+            field, kind, spec = "tools", "grammar", tool_calls_grammar(body.callable_tools(), body.parallel_tool_calls)
+        elif (found := body.grammar_spec()) is not None:
+            field, kind, spec = found
+        else:
+            return None
+        try:
+            return self.grammars.compile(kind, spec)
+        except InvalidRequestError as error:
+            raise APIError(400, f"{field}: {error}", param=field, code="invalid_grammar") from None
+
+    def params(self, body: SamplingRequest, prompt_len: int, max_tokens: int | None, logprobs: int | None,
+               grammar: Grammar | None = None) -> SamplingParams:
         if max_tokens is None:  # as OpenAI's chat: whatever room the sequence has left
             max_tokens = self.engine.max_seq_len - prompt_len
             if max_tokens < 1:
@@ -240,6 +258,7 @@ class Server:
             eos_token_id=self.stop_tokens(body), num_return_sequences=body.n, logprobs=logprobs,
             repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, logit_bias=body.logit_bias, min_new_tokens=body.min_tokens,
+            grammar=grammar,
         )
 
     def stop_tokens(self, body: SamplingRequest) -> list[int] | None:
@@ -254,10 +273,11 @@ class Server:
         """Token ids of each prompt (a worker thread's job: tokenising may take long)."""
         return [list(self._tokenized(p)) if isinstance(p, str) else list(p) for p in prompts]
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
-        """The chat template applied to ``messages``, as token ids (a worker thread's job)."""
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The chat template applied to ``messages`` and ``tools``, as token ids (a worker thread's job)."""
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                      tokenize=False)
         except (TemplateError, TypeError, ValueError) as error:  # a template may refuse roles or orders
             raise APIError(400, f"the model's chat template refused the messages: {error}", param="messages") from None
         return list(self._tokenized(text, add_special_tokens=False))
@@ -321,6 +341,13 @@ class Call:
         completion = sum(len(c.tokens) for c in self.choices)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens)).model_dump()
+
+
+def finish_reason(choice: Choice, reader: ToolCallReader | None) -> str | None:
+    """The choice's finish reason, "tool_calls" where it stopped after calling tools (as OpenAI's)."""
+    if choice.finish_reason == "stop" and reader is not None and reader.calls:
+        return "tool_calls"
+    return choice.finish_reason
 
 
 def reported(logprob: float) -> float:
@@ -498,7 +525,8 @@ def build_app(engine: Engine, tokenizer: Any, model_name: str, max_waiting: int 
         server.check_model(body)
         server.check_prompts(len(body.prompts()))
         prompts = await server.off_loop(server.encode, body.prompts())
-        params = [server.params(body, len(p), body.max_tokens, body.logprobs) for p in prompts]
+        grammar = await server.off_loop(server.grammar, body)
+        params = [server.params(body, len(p), body.max_tokens, body.logprobs, grammar) for p in prompts]
         call = await server.submit(prompts, params, body.stop_strings())
         head = {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": model_name}
 
@@ -519,18 +547,36 @@ def build_app(engine: Engine, tokenizer: Any, model_name: str, max_waiting: int 
     async def chat_completions(request: Request):
         body = await server.parse(request, ChatCompletionRequest)
         server.check_model(body)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = await server.off_loop(server.chat_prompt, messages)
+        messages = [m.for_template() for m in body.messages]
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        prompt = await server.off_loop(server.chat_prompt, messages, tools)
+        grammar = await server.off_loop(server.grammar, body)
         top = (body.top_logprobs or 0) if body.logprobs else None
-        call = await server.submit([prompt], [server.params(body, len(prompt), body.token_limit, top)],
+        call = await server.submit([prompt], [server.params(body, len(prompt), body.token_limit, top, grammar)],
                                    body.stop_strings())
         head = {"id": new_id("chatcmpl"), "created": now(), "model": model_name}
+        readers = [ToolCallReader(body.callable_tools()) if body.tool_mode != "none" else None
+                   for _ in call.choices]
 
-        def delta(i: int, text: str) -> dict:
-            c = call.choices[i]
+        def delta(i: int, text: str) -> dict | None:
+            c, reader = call.choices[i], readers[i]
+            content, calls = reader.feed(text, c.finish_reason is not None) if reader else (text, [])
+            if not (content or calls or c.finish_reason):
+                return None  # text held back: it may be a tool call
             start, call.sent_logprobs[i] = call.sent_logprobs[i], len(c.logprobs)
-            return {"index": i, "delta": {"content": text} if text else {}, "logprobs": chat_logprobs(c, start),
-                    "finish_reason": c.finish_reason}
+            out = {"content": content} if content else {}
+            if calls:
+                first = len(reader.calls) - len(calls)
+                out["tool_calls"] = [call_entry | {"index": first + k} for k, call_entry in enumerate(calls)]
+            return {"index": i, "delta": out, "logprobs": chat_logprobs(c, start),
+                    "finish_reason": finish_reason(c, reader)}
+
+        def message(i: int) -> dict:
+            c, reader = call.choices[i], readers[i]
+            content, calls = reader.feed(c.text, True) if reader else (c.text, [])
+            return {"index": i, "message": {"role": "assistant", "content": content if content or not calls else None}
+                    | ({"tool_calls": calls} if calls else {}),
+                    "logprobs": chat_logprobs(c, 0), "finish_reason": finish_reason(c, reader)}
 
         if body.stream:  # the role first, as OpenAI sends it
             roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -538,17 +584,17 @@ def build_app(engine: Engine, tokenizer: Any, model_name: str, max_waiting: int 
             return StreamingResponse(stream(server, call, head | {"object": "chat.completion.chunk"},
                                             body.include_usage, roles, delta), media_type="text/event-stream")
         await unless_disconnected(request, server.run(call))
-        return await server.render(lambda: head | {"object": "chat.completion", "usage": call.usage(), "choices": [
-            {"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": chat_logprobs(c, 0),
-             "finish_reason": c.finish_reason} for i, c in enumerate(call.choices)]})
+        return await server.render(lambda: head | {"object": "chat.completion", "usage": call.usage(),
+                                                   "choices": [message(i) for i in range(len(call.choices))]})
 
     return app
 
 
 async def stream(server: Server, call: Call, head: dict, include_usage: bool, first: list[dict],
-                 choice: Callable[[int, str], dict]) -> AsyncIterator[str]:
+                 choice: Callable[[int, str], dict | None]) -> AsyncIterator[str]:
     """Server-sent events: ``first`` choices, then a chunk per choice whenever it has new text or
-    ends, an error event if the request fails, the usage chunk if asked, and ``[DONE]``."""
+    ends (``choice`` builds it: None for nothing to send yet), an error event if the request
+    fails, the usage chunk if asked, and ``[DONE]``."""
     chunk = head | ({"usage": None} if include_usage else {})
     for entry in first:
         yield sse(chunk | {"choices": [entry]})
@@ -556,8 +602,8 @@ async def stream(server: Server, call: Call, head: dict, include_usage: bool, fi
         async with aclosing(server.events(call)) as events:
             async for i in events:
                 text = call.choices[i].delta()
-                if text or call.choices[i].finish_reason is not None:
-                    yield sse(chunk | {"choices": [choice(i, text)]})
+                if (text or call.choices[i].finish_reason is not None) and (entry := choice(i, text)) is not None:
+                    yield sse(chunk | {"choices": [entry]})
     except APIError as error:
         yield sse(ErrorResponse(error=error.body).model_dump())
     except Exception as error:  # noqa: BLE001 - the status line is sent: an error event is all that is left

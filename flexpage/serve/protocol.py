@@ -2,14 +2,17 @@
 
 A null for a field is its default, as OpenAI and vLLM take it (the openai client sends options it
 was given as None). Fields are checked here, and what only the engine can judge (prompt length,
-token ids) when the request is submitted. Fields the server does not implement — known ones
-(tools, images, structured output, echo, ...) and unknown ones (vLLM's ``min_p``, guided decoding,
-typos) — are refused with a 400 naming the field, never silently dropped; only fields that ask
-nothing of the output (``INFORMATIONAL``) are accepted and ignored.
+token ids, grammars) when the request is submitted. Fields the server does not implement — known
+ones (images, echo, ...) and unknown ones (vLLM's ``min_p``, typos) — are refused with a 400 naming
+the field, never silently dropped; only fields that ask nothing of the output (``INFORMATIONAL``)
+are accepted and ignored. Structured outputs come as OpenAI's ``response_format`` or vLLM's
+``structured_outputs`` (and its older ``guided_*`` fields); tools as OpenAI's ``tools`` and
+``tool_choice``.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -25,8 +28,8 @@ MAX_STOP_TOKENS = 64
 
 
 # request fields that ask nothing of the output: accepted, ignored
-INFORMATIONAL = frozenset({"store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier",
-                           "parallel_tool_calls"})
+INFORMATIONAL = frozenset({"store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier"})
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
 
 
 class OpenAIModel(BaseModel):
@@ -47,6 +50,45 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+
+
+class Strict(BaseModel):
+    """A nested object of the API: a field it does not know is refused (pydantic names it)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class JSONSchemaFormat(Strict):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    json_schema: dict | bool = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type 'json_schema', and only then")
+        return self
+
+
+class StructuredOutputs(Strict):
+    """vLLM's ``structured_outputs``: one of these."""
+
+    json_value: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+# each structured-output field of a request: (grammar kind, the field's value in the request)
+GRAMMAR_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
 
 
 class SamplingRequest(OpenAIModel):
@@ -71,6 +113,12 @@ class SamplingRequest(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None  # OpenAI's (chat); vLLM takes it for completions too
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
+    guided_json: dict | str | None = None  # vLLM's older fields
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> SamplingRequest:
@@ -78,7 +126,35 @@ class SamplingRequest(OpenAIModel):
             raise ValueError("top_k must be -1 (off) or >= 1")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
+        if len(self.constraints()) > 1:
+            raise ValueError(f"at most one structured output per request, got {', '.join(self.constraints())}")
         return self
+
+    def constraints(self) -> dict[str, tuple[str, Any]]:
+        """Each structured output the request asks for: field name -> (grammar kind, spec)."""
+        found = {}
+        if self.response_format is not None and self.response_format.type != "text":
+            schema = self.response_format.json_schema
+            found["response_format"] = (("json_schema", schema.json_schema) if schema is not None
+                                         else ("json_object", None))
+        outputs = self.structured_outputs
+        if outputs is not None:
+            given = {kind: value for kind, value in (("json_schema", outputs.json_value), ("regex", outputs.regex),
+                                                      ("choice", outputs.choice), ("grammar", outputs.grammar),
+                                                      ("json_object", outputs.json_object or None))
+                     if value is not None}
+            if len(given) != 1:
+                raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar, json_object")
+            ((kind, value),) = given.items()
+            found["structured_outputs"] = (kind, None if kind == "json_object" else value)
+        for name, kind in GRAMMAR_FIELDS.items():
+            if getattr(self, name) is not None:
+                found[name] = (kind, getattr(self, name))
+        return found
+
+    def grammar_spec(self) -> tuple[str, str, Any] | None:
+        """(field, grammar kind, spec) of the request's structured output, if it asks for one."""
+        return next(((name, *spec) for name, spec in self.constraints().items()), None)
 
     @field_validator("stop")
     @classmethod
@@ -124,10 +200,22 @@ class CompletionRequest(SamplingRequest):
         return self
 
 
+class FunctionCall(Strict):
+    name: str
+    arguments: str  # JSON text, as the API sends it
+
+
+class ToolCall(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
-    tool_calls: list | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
 
     @field_validator("content")
     @classmethod
@@ -140,18 +228,50 @@ class ChatMessage(OpenAIModel):
                 raise ValueError(f"content part {j} of type 'text' needs a string 'text'")
         return content
 
-    @field_validator("tool_calls")
-    @classmethod
-    def _no_tool_calls(cls, calls: list | None) -> list | None:
-        if calls:
-            raise ValueError("tool calls are not supported")
-        return calls
-
     def text(self) -> str:
         """The message's text (its text parts joined)."""
         if isinstance(self.content, list):
             return "".join(part["text"] for part in self.content)
         return self.content or ""
+
+    def for_template(self) -> dict:
+        """The message as chat templates take it (a call's arguments as a JSON object where they parse)."""
+        message = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+                "name": call.function.name, "arguments": _json_or_text(call.function.arguments)}}
+                for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionDefinition(Strict):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict = Field(default_factory=lambda: {"type": "object", "properties": {}})  # a JSON schema
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -159,38 +279,52 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    response_format: dict | None = None
-    tools: list | None = None
-    tool_choice: str | dict | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    parallel_tool_calls: bool = True
     functions: list | None = None
     function_call: str | dict | None = None
 
-    @field_validator("tools", "functions")
+    @field_validator("functions", "function_call")
     @classmethod
-    def _no_tools(cls, tools: list | None) -> list | None:
-        if tools:
-            raise ValueError("tools and functions are not supported (no tool calling)")
-        return tools
-
-    @field_validator("tool_choice", "function_call")
-    @classmethod
-    def _no_tool_choice(cls, choice: str | dict | None) -> str | dict | None:
-        if choice not in (None, "none"):
-            raise ValueError("only 'none' is supported (no tool calling)")
-        return choice
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format(cls, response_format: dict | None) -> dict | None:
-        if response_format and response_format.get("type", "text") != "text":
-            raise ValueError("only type 'text' is supported (no structured output: json_object, json_schema)")
-        return response_format
+    def _no_functions(cls, value: Any) -> Any:
+        if value:
+            raise ValueError("the deprecated functions and function_call are not supported: use tools and tool_choice")
+        return value
 
     @model_validator(mode="after")
-    def _check_logprobs(self) -> ChatCompletionRequest:
+    def _check_tools(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        names = [tool.function.name for tool in self.tools or []]
+        if len(set(names)) < len(names):
+            raise ValueError("tools: each function needs a name of its own")
+        if self.tool_choice not in (None, "none", "auto") and not names:
+            raise ValueError("tool_choice 'required' or a named function needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools")
+        if self.calls_forced and self.constraints():
+            raise ValueError("a forced tool call (tool_choice 'required' or named) takes no other structured output")
         return self
+
+    @property
+    def tool_mode(self) -> str:
+        """How the output may call tools: "none", "auto", "required" or "named"."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    @property
+    def calls_forced(self) -> bool:
+        return self.tool_mode in ("required", "named")
+
+    def callable_tools(self) -> list[Tool]:
+        """The tools the output may call: the named one, or all."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [t for t in self.tools if t.function.name == self.tool_choice.function.name]
+        return list(self.tools or [])
 
     @property
     def token_limit(self) -> int | None:
