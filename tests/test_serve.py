@@ -478,7 +478,7 @@ def test_models_health_and_metrics(served):
     assert float(generated[0].split()[-1]) > 0
 
 
-def test_readme_client_examples_run_as_written(served):
+def test_readme_and_guide_client_examples_run_as_written(served):
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     here = served.base.removeprefix("http://")
     (curl,) = [block for block in re.findall(r"```bash\n(.*?)```", readme, re.S) if block.startswith("curl")]
@@ -486,7 +486,10 @@ def test_readme_client_examples_run_as_written(served):
                           timeout=60, check=True)
     assert json.loads(done.stdout)["choices"][0]["finish_reason"] in ("stop", "length")
     (client,) = re.findall(r"```python openai-client\n(.*?)```", readme, re.S)
-    exec(compile(client.replace("127.0.0.1:8000", here), "README.md openai client", "exec"), {})
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "guides" / "serving.md").read_text()
+    for where, block in [("README.md", client)] + [("serving guide", b) for b in re.findall(
+            r"```python openai-client\n(.*?)```", guide, re.S)]:
+        exec(compile(block.replace("127.0.0.1:8000", here), f"{where} openai client", "exec"), {})
 
 
 def test_serve_steps_the_engine_on_the_calling_thread_and_stops_on_sigint(stock_llama):

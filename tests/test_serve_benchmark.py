@@ -31,9 +31,13 @@ def test_quick_serve_benchmark_against_transformers_serve(tmp_path):
     assert (tmp_path / "serve.png").stat().st_size > 0
 
 
-def test_the_unpacked_flexpage_server_is_started_without_packed_weights():
-    from flexpage.bench.serve import server_command
+def test_the_unpacked_flexpage_server_is_started_without_packed_weights_and_the_json_one_gets_schemas():
+    from flexpage.bench.serve import JSON_SCHEMA, request_options, server_command
 
-    args = SimpleNamespace(max_batch_size=8, max_cached_tokens=2048)
-    unpacked, plain = (server_command(kind, "dir", 1234, args) for kind in ("flexpage_unpacked", "flexpage"))
-    assert unpacked == plain + ["--no-pack-weights"] and "serve" in plain and "dir" in plain
+    args = SimpleNamespace(max_batch_size=8, max_cached_tokens=2048, temperature=0.0, top_p=None)
+    unpacked, plain, json_server = (server_command(kind, "dir", 1234, args)
+                                    for kind in ("flexpage_unpacked", "flexpage", "flexpage_json"))
+    assert unpacked == plain + ["--no-pack-weights"] and "serve" in plain and "dir" in plain and json_server == plain
+    assert request_options("flexpage", args) == {"temperature": 0.0}
+    assert request_options("flexpage_json", args) == {"temperature": 0.0, "extra_body": {
+        "structured_outputs": {"json": JSON_SCHEMA}}}

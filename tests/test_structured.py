@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -161,3 +162,11 @@ def test_wrapped_generate_follows_the_processor_as_stock(stock_llama, tokenizer)
         torch.manual_seed(0)
         assert stock_constrained(model, prompt, grammar, eos, **options) == expected
         jsonschema.validate(json.loads(text(tokenizer, expected)), SCHEMA)
+
+
+def test_the_serving_guides_engine_example_runs_as_written(capsys):
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "guides" / "serving.md").read_text()
+    (block,) = re.findall(r"```python engine\n(.*?)```", guide, re.S)
+    exec(compile(block, "serving guide engine example", "exec"), {"__name__": "guide_example"})
+    number, answer = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", number) and answer in ("yes", "no")

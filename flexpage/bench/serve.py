@@ -10,6 +10,8 @@ request throughput, output tokens/s, TTFT / TPOT / ITL p50 and p99, failures.
     flexpage bench serve --quick      # llama-tiny, a few requests per point, for CI
     flexpage bench serve --servers flexpage flexpage_unpacked transformers   # also with --no-pack-weights
     flexpage bench serve --temperature 0.7 --top-p 0.9   # sampled completions (greedy by default)
+    flexpage bench serve --model llama-tiny --servers flexpage flexpage_json --rates --concurrency 1 16 32
+                                      # the cost of structured outputs: every request held to a JSON schema
 """
 
 from __future__ import annotations
@@ -33,7 +35,11 @@ from flexpage import zoo
 from flexpage.bench.measure import (
     add_run_arguments, caption, finish_axes, machine_info, out_dir, save_figure, stop_process, write_records)
 
-SERVERS = ("flexpage", "flexpage_unpacked", "transformers")  # flexpage_unpacked: flexpage serve --no-pack-weights
+# flexpage_unpacked: flexpage serve --no-pack-weights; flexpage_json: flexpage serve, each request held to JSON_SCHEMA
+SERVERS = ("flexpage", "flexpage_unpacked", "flexpage_json", "transformers")
+# one string field: a random-weight model writes it to max_tokens, as long as an unconstrained output
+JSON_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
+               "additionalProperties": False}
 
 
 @dataclass
@@ -154,7 +160,7 @@ async def load_server(kind: str, model_dir: str, args: argparse.Namespace, promp
     rows = []
     try:
         model = await wait_ready(client, process, args.start_timeout)
-        sampling = sampling_options(args)
+        sampling = request_options(kind, args)
         await one_request(client, model, prompts[0], 4, args.point_timeout, sampling)  # loads / compiles what it must
         points = [("rate", r) for r in args.rates] + [("concurrency", c) for c in args.concurrency]
         for mode, value in points:
@@ -179,12 +185,18 @@ def sampling_options(args: argparse.Namespace) -> dict:
     return {"temperature": args.temperature} | ({} if args.top_p is None else {"top_p": args.top_p})
 
 
+def request_options(kind: str, args: argparse.Namespace) -> dict:
+    """What every completion sent to server ``kind`` carries besides its prompt and length."""
+    structured = {"extra_body": {"structured_outputs": {"json": JSON_SCHEMA}}} if kind == "flexpage_json" else {}
+    return sampling_options(args) | structured
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     zoo.add_model_argument(parser)
     parser.add_argument("--servers", nargs="+", choices=SERVERS, default=["flexpage", "transformers"])
-    parser.add_argument("--rates", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0, 4.0], help="requests/s")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="closed-loop clients")
+    parser.add_argument("--rates", type=float, nargs="*", default=[0.25, 0.5, 1.0, 2.0, 4.0], help="requests/s")
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 16], help="closed-loop clients")
     parser.add_argument("--requests", type=int, default=32, help="requests per point")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
@@ -217,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
                     rows.append({"server": kind, "mode": "start", "value": 0, "failures": 1, "first_error": str(error)})
     meta = {"machine": machine_info(), "model": args.model, "command": " ".join(sys.argv),
             "input_len": args.input_len, "output_len": args.output_len, "requests_per_point": args.requests,
-            "sampling": sampling_options(args),
+            "sampling": sampling_options(args), "json_schema": JSON_SCHEMA if "flexpage_json" in args.servers else None,
             "flexpage": {"max_batch_size": args.max_batch_size, "max_cached_tokens": args.max_cached_tokens},
             "transformers": "transformers serve --continuous-batching (defaults)"}
     stem = os.path.join(out_dir(args), args.name)
@@ -238,24 +250,26 @@ def print_summary(rows: list[dict]) -> None:
 
 
 def plot(rows: list[dict], meta: dict, stem: str) -> None:
-    """Output tokens/s and p99 TTFT against the offered request rate, one line per server, as ``<stem>.png``."""
+    """Output tokens/s and p99 TTFT against the offered request rate (or, without rates, the
+    closed-loop clients), one line per server, as ``<stem>.png``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    mode = "rate" if any(r["mode"] == "rate" for r in rows) else "concurrency"
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for server in dict.fromkeys(r["server"] for r in rows):
-        points = sorted((r for r in rows if r["server"] == server and r["mode"] == "rate"), key=lambda r: r["value"])
+        points = sorted((r for r in rows if r["server"] == server and r["mode"] == mode), key=lambda r: r["value"])
         for ax, key in zip(axes, ("output_tokens_per_s", "ttft_p99_s")):
             ax.plot([r["value"] for r in points], [r[key] for r in points], "o-", label=f"{server} serve")
     axes[1].set_yscale("log")  # an overloaded server's TTFT is seconds to minutes, a keeping-up one's milliseconds
     for ax, label in zip(axes, ("output tokens / s", "TTFT p99 (s)")):
-        ax.set(xlabel="offered load (requests / s, Poisson)", ylabel=label)
+        ax.set(xlabel="offered load (requests / s, Poisson)" if mode == "rate" else "concurrent clients (closed loop)",
+               ylabel=label)
         ax.set_xscale("log", base=2)
         ax.minorticks_off()
-        rates = sorted({r["value"] for r in rows if r["mode"] == "rate"})
-        finish_axes(ax, rates, "{:g}".format)
+        finish_axes(ax, sorted({r["value"] for r in rows if r["mode"] == mode}), "{:g}".format)
     sampled = ", ".join(f"{k} {v}" for k, v in meta.get("sampling", {}).items() if v)  # temperature 0: greedy
     fig.suptitle(f"serving, {meta['input_len']} in / {meta['output_len']} out tokens, {sampled or 'greedy'}, "
                  f"{meta['requests_per_point']} requests per point — "
