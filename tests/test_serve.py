@@ -354,6 +354,9 @@ def test_tool_calls_round_trip_as_openai_clients_expect(served):
                           {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
     answer = client.chat.completions.create(model=MODEL, messages=history, tools=tools, temperature=0, max_tokens=8)
     assert answer.choices[0].message.tool_calls is None and answer.choices[0].message.content
+    told = client.chat.completions.create(model=MODEL, messages=history, tools=tools, tool_choice="none",
+                                          temperature=0, max_tokens=8)
+    assert told.choices[0].message.content == answer.choices[0].message.content  # the same prompt, read as text
     rendered = chat_ids(served.tokenizer, [
         {"role": m["role"], "content": m.get("content") or "",
          **({"tool_calls": [{"function": {"name": call.function.name, "arguments": json.loads(call.function.arguments)}}]}

@@ -35,7 +35,7 @@ from .penalties import adjust_logits
 from .requests import TokenLogprobs
 from .sampling import Sampler, greedy_tokens
 from .sequence import Batch, Pick, Sequence
-from .structured import GrammarError, mask_disallowed
+from .structured import GrammarError, allowed_tokens, mask_disallowed
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +240,7 @@ class ModelRunner:
             if constrained:  # then what each grammar allows next
                 whole = len(constrained) == len(asks)
                 chosen = logits if whole else logits[host_tensor(constrained, logits.device)]
-                mask_disallowed(chosen, [asks[i][0].constraint.allowed() for i in constrained])
+                mask_disallowed(chosen, allowed_tokens([asks[i][0].constraint for i in constrained]))
                 if not whole:
                     logits[host_tensor(constrained, logits.device)] = chosen
             rows = list(range(len(asks)))
