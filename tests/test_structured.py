@@ -138,6 +138,17 @@ def test_constraint_allows_stop_tokens_only_where_the_grammar_may_end(tokenizer)
     assert constraint.valid_prefix([a]) == 0
 
 
+def test_accepts_agrees_with_the_mask_at_every_token(tokenizer):
+    """``accepts`` (the greedy pick's shortcut) says of each token what ``allowed`` says, at every
+    state of a JSON schema's output, where stop tokens may and may not come."""
+    grammar = Grammars(tokenizer, 256).compile("json_schema", SCHEMA)
+    constraint = grammar.constraint({2, 9})
+    for token in tokenizer('{"color":"red","n":7,"ok":true}', add_special_tokens=False)["input_ids"]:
+        allowed = constraint.allowed()
+        assert [constraint.accepts(t) for t in range(256)] == allowed.tolist()
+        constraint.take(token)
+
+
 def test_json_object_takes_any_object_and_nothing_else(tokenizer):
     grammar = Grammars(tokenizer, 256).compile("json_object")
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731

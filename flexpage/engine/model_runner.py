@@ -238,11 +238,7 @@ class ModelRunner:
                               params, [seq.stop_token_ids for seq, _, _ in asks])
             constrained = [i for i, (seq, _, _) in enumerate(asks) if seq.constraint is not None]
             if constrained:  # then what each grammar allows next
-                whole = len(constrained) == len(asks)
-                chosen = logits if whole else logits[host_tensor(constrained, logits.device)]
-                mask_disallowed(chosen, allowed_tokens([asks[i][0].constraint for i in constrained]))
-                if not whole:
-                    logits[host_tensor(constrained, logits.device)] = chosen
+                _hold_to_grammars(logits, [seq for seq, _, _ in asks], constrained)
             rows = list(range(len(asks)))
         drawn = [i for i, p in enumerate(params) if p.do_sample]
         greedy = greedy_tokens(logits) if len(drawn) < len(asks) else None  # the argmax of every row
@@ -338,6 +334,24 @@ class ModelRunner:
                 graphs.buckets.discard(decode_len)
                 log.warning("decode bucket %d runs eager: compiling its forward failed (%s)", decode_len, error)
         return time.perf_counter() - start
+
+
+def _hold_to_grammars(logits: torch.Tensor, seqs: list[Sequence], constrained: list[int]) -> None:
+    """Take out of each ``constrained`` row of ``logits`` (a float copy, row ``i`` for ``seqs[i]``)
+    the tokens its grammar does not allow next. A greedy row whose best token its grammar takes
+    needs no mask (its argmax stays that token): checking one token costs a small part of a mask."""
+    greedy = [i for i in constrained if not seqs[i].params.do_sample]
+    if greedy:
+        rows = logits if greedy == list(range(len(logits))) else logits[host_tensor(greedy, logits.device)]
+        taken = {i for i, token in zip(greedy, greedy_tokens(rows)) if seqs[i].constraint.accepts(token)}
+        constrained = [i for i in constrained if i not in taken]
+    if not constrained:
+        return
+    whole = constrained == list(range(len(logits)))
+    chosen = logits if whole else logits[host_tensor(constrained, logits.device)]
+    mask_disallowed(chosen, allowed_tokens([seqs[i].constraint for i in constrained]))
+    if not whole:
+        logits[host_tensor(constrained, logits.device)] = chosen
 
 
 def _scratch(num_tokens: int) -> Sequence:

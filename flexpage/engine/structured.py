@@ -134,6 +134,7 @@ class Constraint:
         self.stop_tokens = frozenset(stop_tokens)
         self.stop_index = np.array(sorted(self.stop_tokens), dtype=np.int64)  # as an index into a row
         self.grammar_end = np.array(grammar.tokenizer.eos_tokens, dtype=np.int64)  # what llguidance ends a grammar with
+        self.grammar_end_tokens = frozenset(grammar.tokenizer.eos_tokens)
         self.vocab_size = grammar.tokenizer.vocab_size
         self.taken = 0  # output tokens taken
         self.ended_at: int | None = None  # output length at which the grammar could take no more tokens
@@ -153,6 +154,12 @@ class Constraint:
         self.taken += 1
         if self.matcher.is_stopped():
             self.ended_at = self.taken
+
+    def accepts(self, token: int) -> bool:
+        """Whether ``token`` may come next (as ``allowed()[token]``, for one token)."""
+        if token in self.stop_tokens:
+            return self.matcher.is_accepting()
+        return token not in self.grammar_end_tokens and self.matcher.validate_tokens([token]) == 1
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many of ``tokens`` the grammar accepts from here, in order (speculative drafts)."""
