@@ -234,6 +234,8 @@ def test_bad_requests_get_openai_errors_and_change_nothing(served):
          "invalid json_schema: Invalid type: objectx", "response_format"),
         (dict(extra_body={"structured_outputs": {"regex": "a(b"}}), "invalid regex", "structured_outputs"),
         (dict(extra_body={"guided_regex": "a", "guided_choice": ["a"]}), "at most one structured output", None),
+        (dict(extra_body={"structured_outputs": {"regex": "a", "choice": ["a"]}}), "exactly one",
+         "structured_outputs"),
         (dict(response_format={"type": "json_schema"}), "json_schema is given with type", "response_format"),
         (dict(response_format={"type": "json_object", "strict": True}), "Extra inputs", "response_format.strict"),
         (dict(tools=tools, tool_choice={"type": "function", "function": {"name": "g"}}), "not among the tools", None),

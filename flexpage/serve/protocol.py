@@ -55,7 +55,7 @@ class StreamOptions(OpenAIModel):
 class Strict(BaseModel):
     """A nested object of the API: a field it does not know is refused (pydantic names it)."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid")
 
 
 class JSONSchemaFormat(Strict):
@@ -85,8 +85,20 @@ class StructuredOutputs(Strict):
     grammar: str | None = None
     json_object: bool | None = None
 
+    @model_validator(mode="after")
+    def _one(self) -> StructuredOutputs:
+        if len(self.given()) != 1:
+            raise ValueError("takes exactly one of json, regex, choice, grammar, json_object")
+        return self
 
-# each structured-output field of a request: (grammar kind, the field's value in the request)
+    def given(self) -> dict[str, Any]:
+        """Grammar kind -> spec of what is given (None: no spec)."""
+        found = {kind: value for kind, value in (("json_schema", self.json_value), ("regex", self.regex),
+                                                 ("choice", self.choice), ("grammar", self.grammar)) if value is not None}
+        return found | ({"json_object": None} if self.json_object else {})
+
+
+# vLLM's older structured-output fields, each the grammar kind it gives
 GRAMMAR_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar"}
 
@@ -137,16 +149,8 @@ class SamplingRequest(OpenAIModel):
             schema = self.response_format.json_schema
             found["response_format"] = (("json_schema", schema.json_schema) if schema is not None
                                          else ("json_object", None))
-        outputs = self.structured_outputs
-        if outputs is not None:
-            given = {kind: value for kind, value in (("json_schema", outputs.json_value), ("regex", outputs.regex),
-                                                      ("choice", outputs.choice), ("grammar", outputs.grammar),
-                                                      ("json_object", outputs.json_object or None))
-                     if value is not None}
-            if len(given) != 1:
-                raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar, json_object")
-            ((kind, value),) = given.items()
-            found["structured_outputs"] = (kind, None if kind == "json_object" else value)
+        if self.structured_outputs is not None:
+            (found["structured_outputs"],) = self.structured_outputs.given().items()
         for name, kind in GRAMMAR_FIELDS.items():
             if getattr(self, name) is not None:
                 found[name] = (kind, getattr(self, name))
