@@ -351,6 +351,20 @@ def test_tool_calls_round_trip_as_openai_clients_expect(served):
         for sampled in c.message.tool_calls or []:
             spec = next(t["function"] for t in tools if t["function"]["name"] == sampled.function.name)
             jsonschema.validate(json.loads(sampled.function.arguments), spec["parameters"])
+    # tool_choice auto reads calls out of the text: a regex makes this model write one
+    written = re.escape('Sure. <tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>')
+    for stream in (False, True):
+        auto = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=120,
+                                              stream=stream, extra_body={"structured_outputs": {"regex": written}})
+        if stream:
+            chunks = [chunk.choices[0] for chunk in auto if chunk.choices]
+            content = "".join(c.delta.content or "" for c in chunks)
+            calls, reason = [call for c in chunks for call in c.delta.tool_calls or []], chunks[-1].finish_reason
+        else:
+            content, calls = auto.choices[0].message.content, auto.choices[0].message.tool_calls
+            reason = auto.choices[0].finish_reason
+        assert (content, reason) == ("Sure. ", "tool_calls")
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_time", {"zone": "CET"})]
     # the round trip: the call and the tool's answer go back; the model answers in text
     history = messages + [out.choices[0].message.model_dump(exclude_none=True),
                           {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
