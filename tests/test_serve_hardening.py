@@ -399,7 +399,9 @@ def test_generated_bodies_never_get_a_5xx_and_leave_the_server_as_it_was(served)
     # every probe answered; a bound on the slowest only, as a long test process on a shared machine
     # sees rare pauses of its own (the loop's latency under this load is measured apart from the tests)
     assert latencies and max(latencies) < STALL_SECONDS, sorted(latencies)[-3:]
-    assert outcomes.count(200) >= 10 and 400 in outcomes
+    # some bodies were served, some refused (how many of each shifts with the project's code: hypothesis
+    # draws some values from the string and number constants of the modules loaded)
+    assert outcomes.count(200) >= 5 and 400 in outcomes
     wait_until(lambda: idle(served))
     assert served.engine.cache.stats().pages_used == 0
     assert gauge(served.base, "num_requests_running") == gauge(served.base, "num_requests_waiting") == 0
