@@ -41,3 +41,14 @@ def test_the_unpacked_flexpage_server_is_started_without_packed_weights_and_the_
     assert request_options("flexpage", args) == {"temperature": 0.0}
     assert request_options("flexpage_json", args) == {"temperature": 0.0, "extra_body": {
         "structured_outputs": {"json": JSON_SCHEMA}}}
+
+
+def test_rounds_are_summarised_by_their_medians():
+    from flexpage.bench.serve import medians
+
+    rows = [{"server": "a", "mode": "concurrency", "value": 16, "output_tokens_per_s": tps, "failures": 0,
+             "round": r} for r, tps in enumerate((900.0, 1200.0, 1000.0))]
+    rows.append({"server": "b", "mode": "concurrency", "value": 16, "output_tokens_per_s": 800.0, "failures": 0,
+                 "round": 0})
+    summary = {(r["server"], r["value"]): r["output_tokens_per_s"] for r in medians(rows)}
+    assert summary == {("a", 16): 1000.0, ("b", 16): 800.0}

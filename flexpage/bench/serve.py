@@ -10,7 +10,7 @@ request throughput, output tokens/s, TTFT / TPOT / ITL p50 and p99, failures.
     flexpage bench serve --quick      # llama-tiny, a few requests per point, for CI
     flexpage bench serve --servers flexpage flexpage_unpacked transformers   # also with --no-pack-weights
     flexpage bench serve --temperature 0.7 --top-p 0.9   # sampled completions (greedy by default)
-    flexpage bench serve --model llama-tiny --servers flexpage flexpage_json --rates --concurrency 1 16 32
+    flexpage bench serve --model llama-tiny --servers flexpage flexpage_json --rates --concurrency 1 16 32 --rounds 3
                                       # the cost of structured outputs: every request held to a JSON schema
 """
 
@@ -207,6 +207,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="each server this many times, in turn (ABBA...): medians per point, drift cancelled")
     add_run_arguments(parser, "llama-tiny, 6 requests per point, 2 rates, 1 concurrency", "serve",
                       default="results/serve")
     args = parser.parse_args(argv)
@@ -219,24 +221,38 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = zoo.load_tokenizer(args.model)
         tokenizer.save_pretrained(model_dir)
         prompts = random_prompts(tokenizer, args.requests, args.input_len, args.seed)
-        with tqdm(total=len(args.servers) * (len(args.rates) + len(args.concurrency)), desc="load points") as bar:
-            for kind in args.servers:
-                try:
-                    rows += asyncio.run(load_server(kind, model_dir, args, prompts, bar))
-                except (RuntimeError, TimeoutError) as error:
-                    log = open(os.path.join(model_dir, f"{kind}.log")).read()[-1500:]
-                    print(f"{kind} server failed: {error}\n{log}", file=sys.stderr)
-                    rows.append({"server": kind, "mode": "start", "value": 0, "failures": 1, "first_error": str(error)})
+        points = len(args.servers) * (len(args.rates) + len(args.concurrency)) * args.rounds
+        with tqdm(total=points, desc="load points") as bar:
+            for round_ in range(args.rounds):  # the servers in turn, the order reversed each round
+                for kind in args.servers if round_ % 2 == 0 else args.servers[::-1]:
+                    try:
+                        rows += [row | {"round": round_} for row in
+                                 asyncio.run(load_server(kind, model_dir, args, prompts, bar))]
+                    except (RuntimeError, TimeoutError) as error:
+                        log = open(os.path.join(model_dir, f"{kind}.log")).read()[-1500:]
+                        print(f"{kind} server failed: {error}\n{log}", file=sys.stderr)
+                        rows.append({"server": kind, "mode": "start", "value": 0, "failures": 1,
+                                     "first_error": str(error), "round": round_})
     meta = {"machine": machine_info(), "model": args.model, "command": " ".join(sys.argv),
             "input_len": args.input_len, "output_len": args.output_len, "requests_per_point": args.requests,
+            "rounds": args.rounds,
             "sampling": sampling_options(args), "json_schema": JSON_SCHEMA if "flexpage_json" in args.servers else None,
             "flexpage": {"max_batch_size": args.max_batch_size, "max_cached_tokens": args.max_cached_tokens},
             "transformers": "transformers serve --continuous-batching (defaults)"}
     stem = os.path.join(out_dir(args), args.name)
     write_records(stem, rows, meta)
     print_summary(rows)
-    plot(rows, meta, stem)
+    plot(medians(rows), meta, stem)
     print(f"wrote {stem}.csv, {stem}.json, {stem}.png")
+
+
+def medians(rows: list[dict]) -> list[dict]:
+    """One row per server and load point: each measure's median over the rounds."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["server"], row["mode"], row["value"]), []).append(row)
+    return [dict(same[0]) | {key: statistics.median(r[key] for r in same) for key, value in same[0].items()
+                             if isinstance(value, float) and key != "value"} for same in groups.values()]
 
 
 def print_summary(rows: list[dict]) -> None:
@@ -244,7 +260,8 @@ def print_summary(rows: list[dict]) -> None:
         if r["mode"] == "start":
             print(f"{r['server']:>12} did not start: {r['first_error']}")
             continue
-        print(f"{r['server']:>12} {r['mode']:>11}={r['value']:<5}: {r['requests_per_s']:6.3f} req/s "
+        print(f"{r['server']:>13} {r['mode']:>11}={r['value']:<5} round {r.get('round', 0)}: "
+              f"{r['requests_per_s']:6.3f} req/s "
               f"{r['output_tokens_per_s']:7.1f} tok/s  TTFT p50/p99 {r['ttft_p50_s']}/{r['ttft_p99_s']} s  "
               f"TPOT p50 {r['tpot_p50_s']} s  failures {r['failures']}")
 

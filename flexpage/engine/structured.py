@@ -177,8 +177,8 @@ def allowed_tokens(constraints: Sequence[Constraint]) -> np.ndarray:
     bits = np.frombuffer(b"".join(c.matcher.compute_bitmask() for c in constraints), dtype=np.uint8)
     allowed = np.unpackbits(bits.reshape(len(constraints), -1), axis=1, bitorder="little").view(bool)
     allowed = allowed[:, : constraints[0].vocab_size]
+    allowed[:, constraints[0].grammar_end] = False  # one tokenizer's grammars: one end token
     for row, constraint in zip(allowed, constraints):
-        row[constraint.grammar_end] = False
         if constraint.matcher.is_accepting():
             row[constraint.stop_index] = True
     return allowed
