@@ -298,8 +298,9 @@ def _divisor(temperature: Sequence[float], device: torch.device) -> float | Tens
 
 
 def _rows(scores: Tensor, rows: list[int]) -> Tensor:
-    """``scores[rows]``, without a copy when that is every row."""
-    return scores if len(rows) == scores.shape[0] else scores[rows]
+    """``scores[rows]``, without a copy when that is every row (``index_select``: on the CPU several
+    times faster than indexing with a list)."""
+    return scores if len(rows) == scores.shape[0] else scores.index_select(0, torch.tensor(rows, device=scores.device))
 
 
 def _draw(weights: Tensor, uniform: Tensor) -> Tensor:
