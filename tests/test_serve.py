@@ -508,7 +508,8 @@ def test_readme_and_guide_client_examples_run_as_written(served):
     guide = (Path(__file__).resolve().parents[1] / "docs" / "guides" / "serving.md").read_text()
     for where, block in [("README.md", client)] + [("serving guide", b) for b in re.findall(
             r"```python openai-client\n(.*?)```", guide, re.S)]:
-        exec(compile(block.replace("127.0.0.1:8000", here), f"{where} openai client", "exec"), {})
+        # as a script runs it: without this module's ``from __future__ import annotations``
+        exec(compile(block.replace("127.0.0.1:8000", here), f"{where} openai client", "exec", dont_inherit=True), {})
 
 
 def test_serve_steps_the_engine_on_the_calling_thread_and_stops_on_sigint(stock_llama):

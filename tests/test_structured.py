@@ -178,6 +178,6 @@ def test_wrapped_generate_follows_the_processor_as_stock(stock_llama, tokenizer)
 def test_the_serving_guides_engine_example_runs_as_written(capsys):
     guide = (Path(__file__).resolve().parents[1] / "docs" / "guides" / "serving.md").read_text()
     (block,) = re.findall(r"```python engine\n(.*?)```", guide, re.S)
-    exec(compile(block, "serving guide engine example", "exec"), {"__name__": "guide_example"})
+    exec(compile(block, "serving guide engine example", "exec", dont_inherit=True), {"__name__": "guide_example"})
     number, answer = capsys.readouterr().out.splitlines()
     assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", number) and answer in ("yes", "no")

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 from transformers import LogitsProcessor
 
+from ..core.policy import device_policy
 from ..errors import FlexpageError, InvalidRequestError
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")  # what a grammar may be given as
@@ -186,10 +187,11 @@ def allowed_tokens(constraints: Sequence[Constraint]) -> np.ndarray:
 
 def mask_disallowed(logits: Tensor, allowed: np.ndarray) -> None:
     """Set to -inf, in place, each row's logits (``[rows, vocab]``, float) its ``allowed`` says may not
-    come next. On the CPU through NumPy: a handful of torch ops costs ~10x more for a few rows."""
+    come next. Where the device policy samples on the host (the CPU), through NumPy: a handful of
+    torch ops costs ~10x more for a few rows."""
     keep = allowed
     width = min(keep.shape[1], logits.shape[1])  # a padded LM head's extra entries are never allowed
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+    if device_policy(logits.device).host_sampling and logits.dtype == torch.float32:
         rows = logits.numpy()
         rows[:, width:] = -np.inf
         np.putmask(rows[:, :width], ~keep[:, :width], -np.inf)
