@@ -2,12 +2,12 @@
 
 It turns a ``Batch`` (its slots reserved when it was scheduled) into the step's inputs (token ids,
 positions, the packed plan and its ``PackedBlockMask``), runs one forward, and picks the next
-tokens: penalties and bias, what a request's grammar allows, greedy or sampled (each sequence with its own generator), logprobs, a
-request whose pick fails failing alone. It owns the step shapes: attention's region sizes are
-bucketed (powers of two), so a few compiled attention graphs serve every mix of lengths, all
-compiled by ``warmup()``; an eager step's linear layers see each decode token once (17 decode
-tokens are 17 rows, not a bucket of 32). A decode-only step of a compiled bucket runs as its
-static step (``core.static_step``).
+tokens: penalties and bias, what a request's grammar allows, greedy or sampled (each sequence
+with its own generator), logprobs, a request whose pick fails failing alone. It owns the step
+shapes: attention's region sizes are bucketed (powers of two), so a few compiled attention graphs
+serve every mix of lengths, all compiled by ``warmup()``; an eager step's linear layers see each
+decode token once (17 decode tokens are 17 rows, not a bucket of 32). A decode-only step of a
+compiled bucket runs as its static step (``core.static_step``).
 """
 
 from __future__ import annotations

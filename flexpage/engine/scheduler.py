@@ -146,7 +146,8 @@ class Scheduler:
             for token, logprobs in zip(pick.tokens, pick.logprobs):
                 first = len(seq.tokens) == seq.prompt_len
                 seq.append(token)
-                records.append(StepOutput(seq.index, token, seq.finish_reason, logprobs, seq.cached_tokens if first else None,
+                records.append(StepOutput(seq.index, token, seq.finish_reason, logprobs,
+                                          seq.cached_tokens if first else None,
                                           time.perf_counter() - seq.arrival if first else None))
             if seq.drafts:
                 self.settle(seq, pick.accepted)

@@ -93,8 +93,9 @@ class StructuredOutputs(Strict):
 
     def given(self) -> dict[str, Any]:
         """Grammar kind -> spec of what is given (None: no spec)."""
-        found = {kind: value for kind, value in (("json_schema", self.json_value), ("regex", self.regex),
-                                                 ("choice", self.choice), ("grammar", self.grammar)) if value is not None}
+        fields = (("json_schema", self.json_value), ("regex", self.regex), ("choice", self.choice),
+                  ("grammar", self.grammar))
+        found = {kind: value for kind, value in fields if value is not None}
         return found | ({"json_object": None} if self.json_object else {})
 
 

@@ -82,7 +82,8 @@ class ToolCallReader:
             value = json.loads(body)
         except ValueError:
             return None
-        if not (isinstance(value, dict) and value.get("name") in self.names and isinstance(value.get("arguments"), dict)):
+        if not isinstance(value, dict) or value.get("name") not in self.names or not isinstance(
+                value.get("arguments"), dict):
             return None
         return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                 "function": {"name": value["name"], "arguments": json.dumps(value["arguments"])}}
