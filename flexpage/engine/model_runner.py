@@ -35,7 +35,8 @@ from .penalties import adjust_logits
 from .requests import TokenLogprobs
 from .sampling import Sampler, greedy_tokens
 from .sequence import Batch, Pick, Sequence
-from .structured import GrammarError, allowed_tokens, mask_disallowed
+from .structured import (Constraint, GrammarError, MaskPrefetch, allowed_tokens, greedy_allowed,
+                         mask_disallowed)
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class ModelRunner:
         self.graphs = StaticSteps(model, cache, cache_argument, linears,
                                   buckets if compile_decode or default else set(), self.shape)
         self.compiled_steps = 0  # steps that ran a compiled graph
+        self.masks = MaskPrefetch()  # grammars' next-token masks, computed while the forward runs
 
     # ------------------------------------------------------------------ a step
     def run(self, batch: Batch) -> StepResult:
@@ -88,7 +90,8 @@ class ModelRunner:
         picking sequence's next token(s). Raises ``StepFailedError`` if the forward fails
         (``Scheduler.rollback`` gives the slots back); a request whose pick fails fails alone."""
         try:
-            logits, sampled, verify_rows, decode_len, chunk_len, seconds = self._forward(batch)
+            with self.masks.during([seq.constraint for seq in batch.stepped if seq.constraint is not None]):
+                logits, sampled, verify_rows, decode_len, chunk_len, seconds = self._forward(batch)
         except Exception as error:  # the step's tokens were never computed (the scheduler rolls them back)
             raise StepFailedError([seq.index for seq in batch.stepped], error) from error
         picks = []
@@ -231,18 +234,25 @@ class ModelRunner:
         the step (``Sampler``), each from its sequence's generator."""
         params = [seq.params for seq, _, _ in asks]
         rows = [row for _, row, _ in asks]
-        if any(p.masks_logits for p in params):  # a float copy, a row per sequence, to adjust
+        constrained = [i for i, (seq, _, _) in enumerate(asks) if seq.constraint is not None]
+        masked = [i for i in constrained if params[i].do_sample]  # greedy rows are held after their argmax
+        if masked or any(p.adjusts_logits for p in params):  # a float copy, a row per sequence, to adjust
             logits = _copied_rows(logits, rows).float()
             if any(p.adjusts_logits for p in params):
                 adjust_logits(logits, [tokens for _, _, tokens in asks], [seq.prompt_len for seq, _, _ in asks],
                               params, [seq.stop_token_ids for seq, _, _ in asks])
-            constrained = [i for i, (seq, _, _) in enumerate(asks) if seq.constraint is not None]
-            if constrained:  # then what each grammar allows next
-                _hold_to_grammars(logits, [seq for seq, _, _ in asks], constrained)
+            if masked:  # then what each grammar allows next
+                _hold_to_grammars(logits, [asks[i][0].constraint for i in masked], masked)
             rows = list(range(len(asks)))
         drawn = [i for i, p in enumerate(params) if p.do_sample]
         greedy = greedy_tokens(logits) if len(drawn) < len(asks) else None  # the argmax of every row
         tokens = [0 if greedy is None else greedy[row] for row in rows]
+        # a greedy row whose grammar takes its argmax keeps it; the others pick again, masked
+        held = [i for i in constrained if not params[i].do_sample and not asks[i][0].constraint.accepts(tokens[i])]
+        if held:
+            for i, token in zip(held, greedy_allowed(logits, [rows[i] for i in held],
+                                                     [asks[i][0].constraint for i in held])):
+                tokens[i] = token
         if drawn:
             index = [rows[i] for i in drawn]  # no copy of the logits when every row samples
             chosen = logits if index == list(range(len(logits))) else _copied_rows(logits, index)
@@ -342,22 +352,13 @@ def _copied_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return logits.index_select(0, host_tensor(rows, logits.device))
 
 
-def _hold_to_grammars(logits: torch.Tensor, seqs: list[Sequence], constrained: list[int]) -> None:
-    """Take out of each ``constrained`` row of ``logits`` (a float copy, row ``i`` for ``seqs[i]``)
-    the tokens its grammar does not allow next. A greedy row whose best token its grammar takes
-    needs no mask (its argmax stays that token): checking one token costs a small part of a mask."""
-    greedy = [i for i in constrained if not seqs[i].params.do_sample]
-    if greedy:
-        rows = logits if greedy == list(range(len(logits))) else _copied_rows(logits, greedy)
-        taken = {i for i, token in zip(greedy, greedy_tokens(rows)) if seqs[i].constraint.accepts(token)}
-        constrained = [i for i in constrained if i not in taken]
-    if not constrained:
-        return
-    whole = constrained == list(range(len(logits)))
-    chosen = logits if whole else _copied_rows(logits, constrained)
-    mask_disallowed(chosen, allowed_tokens([seqs[i].constraint for i in constrained]))
+def _hold_to_grammars(logits: torch.Tensor, constraints: list[Constraint], rows: list[int]) -> None:
+    """Take out of each of ``rows`` of ``logits`` (a float copy) the tokens its constraint does not allow next."""
+    whole = rows == list(range(len(logits)))
+    chosen = logits if whole else _copied_rows(logits, rows)
+    mask_disallowed(chosen, allowed_tokens(constraints))
     if not whole:
-        logits.index_copy_(0, host_tensor(constrained, logits.device), chosen)
+        logits.index_copy_(0, host_tensor(rows, logits.device), chosen)
 
 
 def _scratch(num_tokens: int) -> Sequence:

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 from threading import Lock
-from typing import Any, Collection, Sequence
+from typing import Any, Collection, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -50,6 +53,15 @@ class Grammar:
     definition: str = field(repr=False)  # llguidance's grammar text
     tokenizer: Any = field(repr=False)  # llguidance's tokenizer
     start: Any = field(repr=False)  # a matcher at the grammar's start: each output gets a copy (cheaper than a new one)
+
+    @cached_property
+    def keep(self) -> np.ndarray:
+        """The mask words of the tokens a mask's bit may allow: the vocabulary's, less the end
+        token that stands for the grammar's end (each output's stop tokens take its place)."""
+        bits = np.zeros(len(self.start.compute_bitmask()) * 8, dtype=bool)  # llguidance's mask may have spare words
+        bits[: self.tokenizer.vocab_size] = True
+        bits[list(self.tokenizer.eos_tokens)] = False
+        return np.packbits(bits, bitorder="little").view(np.int32)
 
     def constraint(self, stop_tokens: Collection[int]) -> Constraint:
         """A fresh follower of this grammar for one output that ``stop_tokens`` end."""
@@ -134,12 +146,21 @@ class Constraint:
         self.matcher = grammar.start.deep_copy()
         self.stop_tokens = frozenset(stop_tokens)
         self.stop_index = np.array(sorted(self.stop_tokens), dtype=np.int64)  # as an index into a row
-        self.grammar_end = np.array(grammar.tokenizer.eos_tokens, dtype=np.int64)  # what llguidance ends a grammar with
-        self.grammar_end_tokens = frozenset(grammar.tokenizer.eos_tokens)
+        self.grammar_end_tokens = frozenset(grammar.tokenizer.eos_tokens)  # what llguidance ends a grammar with
         self.vocab_size = grammar.tokenizer.vocab_size
+        self.keep = grammar.keep
         self.taken = 0  # output tokens taken
         self.ended_at: int | None = None  # output length at which the grammar could take no more tokens
         self.stopped = False  # a stop token was taken
+        self._words: np.ndarray | None = None  # ``words()`` of the current state, once computed
+
+    def words(self) -> np.ndarray:
+        """llguidance's mask of the tokens that may come next, as int32 words (token ``t``: bit
+        ``t % 32`` of word ``t // 32``; its end token stands for the grammar's end): computed once
+        per state."""
+        if self._words is None:
+            self._words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.int32)
+        return self._words
 
     def allowed(self) -> np.ndarray:
         """A boolean per vocabulary entry: may it come next? (``allowed_tokens`` of this one.)"""
@@ -152,19 +173,48 @@ class Constraint:
             return
         if not self.matcher.consume_token(token):
             raise GrammarError(f"token {token} does not follow the grammar: {self.matcher.get_error()}")
+        self._words = None
         self.taken += 1
         if self.matcher.is_stopped():
             self.ended_at = self.taken
 
     def accepts(self, token: int) -> bool:
-        """Whether ``token`` may come next (as ``allowed()[token]``, for one token)."""
+        """Whether ``token`` may come next (as ``allowed()[token]``, for one token): a bit of the
+        mask where it was computed, else one token's check (a small part of a mask's cost)."""
         if token in self.stop_tokens:
             return self.matcher.is_accepting()
-        return token not in self.grammar_end_tokens and self.matcher.validate_tokens([token]) == 1
+        if token in self.grammar_end_tokens or not 0 <= token < self.vocab_size:
+            return False
+        if self._words is not None:
+            return bool(int(self._words[token >> 5]) >> (token & 31) & 1)
+        return self.matcher.validate_tokens([token]) == 1
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many of ``tokens`` the grammar accepts from here, in order (speculative drafts)."""
         return self.matcher.validate_tokens(list(tokens))
+
+
+class MaskPrefetch:
+    """Computes constraints' next-token masks (``Constraint.words``) on a worker thread while a
+    step's forward runs (llguidance drops the GIL), so that its pick finds them ready."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None  # started with the first constrained step
+
+    @contextmanager
+    def during(self, constraints: Sequence[Constraint]) -> Iterator[None]:
+        """Compute the masks of ``constraints`` while the block runs; go on once both are done (a
+        mask that failed is computed again where it is asked for)."""
+        if not constraints:
+            yield
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="flexpage-masks")
+        job = self._pool.submit(lambda: [constraint.words() for constraint in constraints])
+        try:
+            yield
+        finally:
+            wait([job])  # then no other thread holds a matcher
 
 
 class GrammarError(FlexpageError, RuntimeError):
@@ -175,14 +225,28 @@ def allowed_tokens(constraints: Sequence[Constraint]) -> np.ndarray:
     """``[rows, vocab]`` booleans: which tokens may come next for each constraint, from one
     unpacking of their llguidance bit masks. The tokenizer's end-of-sequence token stands in those
     masks for the grammar's end: each output's own stop tokens take its place."""
-    bits = np.frombuffer(b"".join(c.matcher.compute_bitmask() for c in constraints), dtype=np.uint8)
-    allowed = np.unpackbits(bits.reshape(len(constraints), -1), axis=1, bitorder="little").view(bool)
+    words = np.stack([c.words() for c in constraints]) & constraints[0].keep  # one tokenizer: one keep
+    allowed = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little").view(bool)
     allowed = allowed[:, : constraints[0].vocab_size]
-    allowed[:, constraints[0].grammar_end] = False  # one tokenizer's grammars: one end token
     for row, constraint in zip(allowed, constraints):
         if constraint.matcher.is_accepting():
             row[constraint.stop_index] = True
     return allowed
+
+
+def greedy_allowed(logits: Tensor, rows: Sequence[int], constraints: Sequence[Constraint]) -> list[int]:
+    """The argmax of each of ``rows`` of ``logits`` (``[rows, vocab]``) over the tokens its
+    constraint allows next, the lowest id among equals. On the host (the device policy's
+    choice), through NumPy, as ``mask_disallowed``."""
+    allowed = allowed_tokens(constraints)
+    width = min(allowed.shape[1], logits.shape[1])  # a padded LM head's extra entries are never allowed
+    if device_policy(logits.device).host_sampling and logits.dtype == torch.float32:
+        chosen = logits.numpy()[rows, :width]  # a copy
+        np.putmask(chosen, ~allowed[:, :width], -np.inf)
+        return chosen.argmax(1).tolist()
+    chosen = logits.index_select(0, torch.tensor(rows, device=logits.device))[:, :width].float()
+    chosen.masked_fill_(~torch.from_numpy(allowed[:, :width]).to(logits.device), float("-inf"))
+    return chosen.argmax(1).tolist()
 
 
 def mask_disallowed(logits: Tensor, allowed: np.ndarray) -> None:
