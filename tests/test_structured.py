@@ -15,6 +15,7 @@ from transformers import LogitsProcessorList
 
 import flexpage
 from flexpage import GrammarLogitsProcessor, Grammars, InvalidRequestError, zoo
+from flexpage.engine.structured import allowed_tokens, greedy_allowed
 from reference import make_engine, workload
 
 SCHEMA = {  # short enough that a random-weight model completes it within the token budget
@@ -142,11 +143,48 @@ def test_accepts_agrees_with_the_mask_at_every_token(tokenizer):
     """``accepts`` (the greedy pick's shortcut) says of each token what ``allowed`` says, at every
     state of a JSON schema's output, where stop tokens may and may not come."""
     grammar = Grammars(tokenizer, 256).compile("json_schema", SCHEMA)
-    constraint = grammar.constraint({2, 9})
+    constraint, probe = grammar.constraint({2, 9}), grammar.constraint({2, 9})
     for token in tokenizer('{"color":"red","n":7,"ok":true}', add_special_tokens=False)["input_ids"]:
+        checked = [probe.accepts(t) for t in range(-1, 258)]  # one token at a time, no mask computed
         allowed = constraint.allowed()
-        assert [constraint.accepts(t) for t in range(256)] == allowed.tolist()
+        assert [constraint.accepts(t) for t in range(-1, 258)] == checked == [False] + allowed.tolist() + [False] * 2
         constraint.take(token)
+        probe.take(token)
+
+
+def states(tokenizer, grammar, texts):
+    """A constraint (stop tokens 2 and 9) at the end of each of ``texts``."""
+    constraints = []
+    for prefix in texts:
+        constraint = grammar.constraint({2, 9})
+        for token in tokenizer(prefix, add_special_tokens=False)["input_ids"]:
+            constraint.take(token)
+        constraints.append(constraint)
+    return constraints
+
+
+PREFIXES = ['{"color":"', '{"color":"red","n":', '{"color":"red","n":7', '{"color":"red","n":7,"ok":',
+            '{"color":"red","n":7,"ok":true}']  # each with two allowed tokens or more
+
+
+def test_greedy_allowed_is_the_argmax_of_the_masked_logits(tokenizer):
+    """The greedy pick under grammars equals torch's argmax of the logits with each disallowed token
+    at -inf: the lowest id among equal best tokens, never a padded LM head's extra entries, stop
+    tokens only where the grammar may end (at the last prefix nothing else may come)."""
+    constraints = states(tokenizer, Grammars(tokenizer, 256).compile("json_schema", SCHEMA), PREFIXES)
+    allowed = torch.from_numpy(allowed_tokens(constraints))
+    torch.manual_seed(0)
+    logits = torch.randn(7, 260)  # two rows no constraint reads; four entries past the vocabulary
+    rows = [6, 0, 3, 2, 5]
+    logits[:, 256:] = 50.0
+    for k, row in enumerate(rows):
+        ids = allowed[k].nonzero().flatten()
+        logits[row, ids[-2:]] = 20.0  # a tie between the two highest allowed ids
+        logits[row, (~allowed[k]).nonzero().flatten()[0]] = 30.0  # a better token the grammar refuses
+    expected = torch.where(allowed, logits[rows, :256], float("-inf")).argmax(1).tolist()
+    assert greedy_allowed(logits, rows, constraints) == expected
+    assert expected[-1] in (2, 9) and all(t not in (2, 9) for t in expected[:-1])
+    assert [allowed[k].nonzero().flatten()[-2].item() for k in range(5)] == expected  # the lower of the tie
 
 
 def test_json_object_takes_any_object_and_nothing_else(tokenizer):

@@ -35,8 +35,7 @@ from .penalties import adjust_logits
 from .requests import TokenLogprobs
 from .sampling import Sampler, greedy_tokens
 from .sequence import Batch, Pick, Sequence
-from .structured import (Constraint, GrammarError, MaskPrefetch, allowed_tokens, greedy_allowed,
-                         mask_disallowed)
+from .structured import Constraint, GrammarError, allowed_tokens, greedy_allowed, mask_disallowed
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +81,6 @@ class ModelRunner:
         self.graphs = StaticSteps(model, cache, cache_argument, linears,
                                   buckets if compile_decode or default else set(), self.shape)
         self.compiled_steps = 0  # steps that ran a compiled graph
-        self.masks = MaskPrefetch()  # grammars' next-token masks, computed while the forward runs
 
     # ------------------------------------------------------------------ a step
     def run(self, batch: Batch) -> StepResult:
@@ -90,8 +88,7 @@ class ModelRunner:
         picking sequence's next token(s). Raises ``StepFailedError`` if the forward fails
         (``Scheduler.rollback`` gives the slots back); a request whose pick fails fails alone."""
         try:
-            with self.masks.during([seq.constraint for seq in batch.stepped if seq.constraint is not None]):
-                logits, sampled, verify_rows, decode_len, chunk_len, seconds = self._forward(batch)
+            logits, sampled, verify_rows, decode_len, chunk_len, seconds = self._forward(batch)
         except Exception as error:  # the step's tokens were never computed (the scheduler rolls them back)
             raise StepFailedError([seq.index for seq in batch.stepped], error) from error
         picks = []

@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor, wait
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from threading import Lock
-from typing import Any, Collection, Iterator, Sequence
+from typing import Any, Collection, Sequence
 
 import numpy as np
 import torch
@@ -147,6 +145,7 @@ class Constraint:
         self.stop_tokens = frozenset(stop_tokens)
         self.stop_index = np.array(sorted(self.stop_tokens), dtype=np.int64)  # as an index into a row
         self.grammar_end_tokens = frozenset(grammar.tokenizer.eos_tokens)  # what llguidance ends a grammar with
+        self.end = grammar.tokenizer.eos_tokens[0]  # its bit in a mask: the grammar may end here
         self.vocab_size = grammar.tokenizer.vocab_size
         self.keep = grammar.keep
         self.taken = 0  # output tokens taken
@@ -182,39 +181,16 @@ class Constraint:
         """Whether ``token`` may come next (as ``allowed()[token]``, for one token): a bit of the
         mask where it was computed, else one token's check (a small part of a mask's cost)."""
         if token in self.stop_tokens:
-            return self.matcher.is_accepting()
-        if token in self.grammar_end_tokens or not 0 <= token < self.vocab_size:
+            token = self.end  # its bit says whether the grammar may end here
+        elif token in self.grammar_end_tokens or not 0 <= token < self.vocab_size:
             return False
         if self._words is not None:
             return bool(int(self._words[token >> 5]) >> (token & 31) & 1)
-        return self.matcher.validate_tokens([token]) == 1
+        return self.matcher.is_accepting() if token == self.end else self.matcher.validate_tokens([token]) == 1
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many of ``tokens`` the grammar accepts from here, in order (speculative drafts)."""
         return self.matcher.validate_tokens(list(tokens))
-
-
-class MaskPrefetch:
-    """Computes constraints' next-token masks (``Constraint.words``) on a worker thread while a
-    step's forward runs (llguidance drops the GIL), so that its pick finds them ready."""
-
-    def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None  # started with the first constrained step
-
-    @contextmanager
-    def during(self, constraints: Sequence[Constraint]) -> Iterator[None]:
-        """Compute the masks of ``constraints`` while the block runs; go on once both are done (a
-        mask that failed is computed again where it is asked for)."""
-        if not constraints:
-            yield
-            return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="flexpage-masks")
-        job = self._pool.submit(lambda: [constraint.words() for constraint in constraints])
-        try:
-            yield
-        finally:
-            wait([job])  # then no other thread holds a matcher
 
 
 class GrammarError(FlexpageError, RuntimeError):
@@ -224,13 +200,14 @@ class GrammarError(FlexpageError, RuntimeError):
 def allowed_tokens(constraints: Sequence[Constraint]) -> np.ndarray:
     """``[rows, vocab]`` booleans: which tokens may come next for each constraint, from one
     unpacking of their llguidance bit masks. The tokenizer's end-of-sequence token stands in those
-    masks for the grammar's end: each output's own stop tokens take its place."""
-    words = np.stack([c.words() for c in constraints]) & constraints[0].keep  # one tokenizer: one keep
-    allowed = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little").view(bool)
-    allowed = allowed[:, : constraints[0].vocab_size]
-    for row, constraint in zip(allowed, constraints):
-        if constraint.matcher.is_accepting():
-            row[constraint.stop_index] = True
+    masks for the grammar's end (set where the grammar may end): each output's own stop tokens
+    take its place."""
+    words = np.stack([c.words() for c in constraints])
+    first = constraints[0]  # one tokenizer's grammars: one end token, one vocabulary
+    allowed = np.unpackbits((words & first.keep).view(np.uint8), axis=1, bitorder="little").view(bool)
+    allowed = allowed[:, : first.vocab_size]
+    for k in np.flatnonzero(words[:, first.end >> 5] >> (first.end & 31) & 1):
+        allowed[k, constraints[k].stop_index] = True
     return allowed
 
 
