@@ -10,7 +10,7 @@ request throughput, output tokens/s, TTFT / TPOT / ITL p50 and p99, failures.
     flexpage bench serve --quick      # llama-tiny, a few requests per point, for CI
     flexpage bench serve --servers flexpage flexpage_unpacked transformers   # also with --no-pack-weights
     flexpage bench serve --temperature 0.7 --top-p 0.9   # sampled completions (greedy by default)
-    flexpage bench serve --model llama-tiny --servers flexpage flexpage_json --rates --concurrency 1 16 32 --rounds 3
+    flexpage bench serve --model llama-tiny --servers flexpage flexpage_json --rates --concurrency 1 16 32 --requests 128 --rounds 4
                                       # the cost of structured outputs: every request held to a JSON schema
 """
 
@@ -291,6 +291,7 @@ def plot(rows: list[dict], meta: dict, stem: str) -> None:
         finish_axes(ax, sorted({r["value"] for r in rows if r["mode"] == mode}), "{:g}".format)
     sampled = ", ".join(f"{k} {v}" for k, v in meta.get("sampling", {}).items() if v)  # temperature 0: greedy
     fig.suptitle(f"serving, {meta['input_len']} in / {meta['output_len']} out tokens, {sampled or 'greedy'}, "
-                 f"{meta['requests_per_point']} requests per point — "
+                 f"{meta['requests_per_point']} requests per point"
+                 + (f", medians of {meta['rounds']} rounds" if meta.get("rounds", 1) > 1 else "") + " — "
                  f"{caption(meta)}", fontsize=9)
     save_figure(fig, f"{stem}.png")
