@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from functools import cached_property
 from threading import Lock
 from typing import Any, Collection, Sequence
 
@@ -51,15 +50,7 @@ class Grammar:
     definition: str = field(repr=False)  # llguidance's grammar text
     tokenizer: Any = field(repr=False)  # llguidance's tokenizer
     start: Any = field(repr=False)  # a matcher at the grammar's start: each output gets a copy (cheaper than a new one)
-
-    @cached_property
-    def keep(self) -> np.ndarray:
-        """The mask words of the tokens a mask's bit may allow: the vocabulary's, less the end
-        token that stands for the grammar's end (each output's stop tokens take its place)."""
-        bits = np.zeros(len(self.start.compute_bitmask()) * 8, dtype=bool)  # llguidance's mask may have spare words
-        bits[: self.tokenizer.vocab_size] = True
-        bits[list(self.tokenizer.eos_tokens)] = False
-        return np.packbits(bits, bitorder="little").view(np.int32)
+    keep: np.ndarray = field(repr=False)  # ``mask_keep``: the bits of a mask that can allow a token
 
     def constraint(self, stop_tokens: Collection[int]) -> Constraint:
         """A fresh follower of this grammar for one output that ``stop_tokens`` end."""
@@ -95,8 +86,8 @@ class Grammars:
                 self._cache.move_to_end(key)
                 return self._cache[key]
         definition = self._definition(kind, spec)
-        grammar = Grammar(kind, definition, self.tokenizer,
-                          _llguidance().LLMatcher(self.tokenizer, definition, log_level=0))
+        start = _llguidance().LLMatcher(self.tokenizer, definition, log_level=0)
+        grammar = Grammar(kind, definition, self.tokenizer, start, mask_keep(self.tokenizer, start))
         with self._lock:
             self._cache[key] = grammar
             while len(self._cache) > CACHED_GRAMMARS:
@@ -134,6 +125,16 @@ class Grammars:
         if problem:
             raise InvalidRequestError(f"invalid {kind}: {problem.strip()}")
         return definition
+
+
+def mask_keep(tokenizer: Any, matcher: Any) -> np.ndarray:
+    """The words of a mask (llguidance's, of ``matcher`` over ``tokenizer``) with the bits set that
+    can allow a token: the vocabulary's, less the end token that stands for the grammar's end (each
+    output's stop tokens take its place) and the spare bits past the vocabulary."""
+    bits = np.zeros(len(matcher.compute_bitmask()) * 8, dtype=bool)
+    bits[: tokenizer.vocab_size] = True
+    bits[list(tokenizer.eos_tokens)] = False
+    return np.packbits(bits, bitorder="little").view(np.int32)
 
 
 class Constraint:
