@@ -78,11 +78,6 @@ class SamplingParams:
         return bool(self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty
                     or self.logit_bias or self.min_new_tokens)
 
-    @property
-    def masks_logits(self) -> bool:
-        """Whether the pick sees changed logits: penalties, a bias, or a grammar."""
-        return self.adjusts_logits or self.grammar is not None
-
     def stop_tokens(self) -> frozenset[int]:
         eos = self.eos_token_id
         return frozenset() if eos is None else frozenset([eos] if isinstance(eos, int) else eos)
