@@ -95,6 +95,25 @@ def test_engine_mixed_workload_on_cuda():
     assert compiled_graphs() == graphs
 
 
+def test_structured_outputs_match_stock_held_to_the_grammar_on_cuda():
+    """The Engine's constrained greedy tokens on a GPU (the grammar's masks applied by torch on the
+    device) equal stock ``generate()`` held to the same grammar by the logits processor."""
+    tokenizer = zoo.load_tokenizer("llama-tiny")
+    engine = flexpage.Engine(zoo.build("llama-tiny").cuda(), tokenizer=tokenizer, max_cached_tokens=1024,
+                             max_batch_size=4)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    grammar = engine.grammar("json_schema", schema)
+    stock = zoo.build("llama-tiny").cuda()
+    eos = stock.generation_config.eos_token_id
+    prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 30, 17)]
+    for prompt, out in zip(prompts, engine.generate(prompts, max_new_tokens=24, grammar=grammar)):
+        processor = flexpage.GrammarLogitsProcessor(grammar, eos)
+        expected = stock.generate(torch.tensor([prompt]).cuda(), max_new_tokens=24, do_sample=False, pad_token_id=0,
+                                  eos_token_id=eos, logits_processor=[processor])[0, len(prompt):].tolist()
+        assert out == expected[: len(out)] and (len(out) == len(expected) or expected[len(out)] == eos)
+
+
 @pytest.mark.parametrize("tries", [4, 0])  # top-p by rejection; from the exact nucleus (a radix select)
 def test_sampling_follows_the_warpers_on_cuda(tries, monkeypatch):
     monkeypatch.setattr(sampling, "NUCLEUS_TRIES", tries)
