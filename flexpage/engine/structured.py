@@ -3,13 +3,13 @@ expression, a choice of strings or a Lark grammar — token by token, through ll
 
 ``Grammars`` compiles grammars for one tokenizer (each one validated, and cached by its spec); a
 request carries its ``Grammar`` (``SamplingParams.grammar``) and each of its outputs follows it
-with a ``Constraint`` of its own: before each pick the tokens each grammar allows next are found
-for the step's rows at once (``allowed_tokens``) and the others taken out of the logits
-(``mask_disallowed``); after it each output takes its picked token. The
-request's stop tokens are allowed wherever the grammar may end, and an output whose grammar can
-take no further token ends there ("stop"); one that reaches ``max_new_tokens`` first ends with
-"length", as in vLLM. ``generate()`` (stock or wrapped) follows a grammar through a
-``GrammarLogitsProcessor``.
+with a ``Constraint`` of its own. In each pick a sampled row's disallowed tokens are taken out of
+its logits before the draw (``allowed_tokens``, ``mask_disallowed``); a greedy row keeps its
+argmax where the grammar takes it, else takes the best token its grammar allows
+(``greedy_allowed``); then each output takes its picked token. The request's stop tokens are
+allowed wherever the grammar may end, and an output whose grammar can take no further token ends
+there ("stop"); one that reaches ``max_new_tokens`` first ends with "length", as in vLLM.
+``generate()`` (stock or wrapped) follows a grammar through a ``GrammarLogitsProcessor``.
 """
 
 from __future__ import annotations
