@@ -183,7 +183,7 @@ def test_greedy_allowed_is_the_argmax_of_the_masked_logits(tokenizer):
         logits[row, (~allowed[k]).nonzero().flatten()[0]] = 30.0  # a better token the grammar refuses
     expected = torch.where(allowed, logits[rows, :256], float("-inf")).argmax(1).tolist()
     assert greedy_allowed(logits, rows, constraints) == expected
-    assert greedy_allowed(logits.bfloat16(), rows, constraints) == expected  # torch's path (NumPy has no bfloat16)
+    assert greedy_allowed(logits.bfloat16(), rows, constraints) == expected  # the model's dtype, picked in float32
     assert expected[-1] in (2, 9) and all(t not in (2, 9) for t in expected[:-1])
     assert [allowed[k].nonzero().flatten()[-2].item() for k in range(5)] == expected  # the lower of the tie
 

@@ -27,6 +27,7 @@ from transformers import LogitsProcessor
 
 from ..core.policy import device_policy
 from ..errors import FlexpageError, InvalidRequestError
+from .sampling import greedy_tokens
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")  # what a grammar may be given as
 CACHED_GRAMMARS = 256  # compiled grammars kept per tokenizer (least recently used dropped)
@@ -214,17 +215,11 @@ def allowed_tokens(constraints: Sequence[Constraint]) -> np.ndarray:
 
 def greedy_allowed(logits: Tensor, rows: Sequence[int], constraints: Sequence[Constraint]) -> list[int]:
     """The argmax of each of ``rows`` of ``logits`` (``[rows, vocab]``) over the tokens its
-    constraint allows next, the lowest id among equals. On the host (the device policy's
-    choice), through NumPy, as ``mask_disallowed``."""
-    allowed = allowed_tokens(constraints)
-    width = min(allowed.shape[1], logits.shape[1])  # a padded LM head's extra entries are never allowed
-    if device_policy(logits.device).host_sampling and logits.dtype == torch.float32:
-        chosen = logits.numpy()[rows, :width]  # a copy
-        np.putmask(chosen, ~allowed[:, :width], -np.inf)
-        return chosen.argmax(1).tolist()
-    chosen = logits.index_select(0, torch.tensor(rows, device=logits.device))[:, :width].float()
-    chosen.masked_fill_(~torch.from_numpy(allowed[:, :width]).to(logits.device), float("-inf"))
-    return chosen.argmax(1).tolist()
+    constraint allows next, the lowest id among equals: a float copy of the rows, masked
+    (``mask_disallowed``), then reduced (``greedy_tokens``)."""
+    chosen = logits.index_select(0, torch.tensor(rows, device=logits.device)).float()
+    mask_disallowed(chosen, allowed_tokens(constraints))
+    return greedy_tokens(chosen)
 
 
 def mask_disallowed(logits: Tensor, allowed: np.ndarray) -> None:
