@@ -81,6 +81,7 @@ def wrap(
     compile_decode: bool | None = False,
     few_row_linears: bool = True,
     pack_weights: bool | None = False,
+    kv_dtype: str | torch.dtype | None = None,
 ) -> PreTrainedModel:
     """Serve ``model.generate()`` from a paged KV cache of ``max_cached_tokens`` tokens.
 
@@ -110,6 +111,11 @@ def wrap(
     ``max_batch_size`` rows, to those kernels: decode steps of many sequences get faster, for a
     second copy of the CPU layers' weights in memory. ``None`` packs when oneDNN is there and the copy needs at
     most a quarter of the memory available (``FewRowLinears.packing_fits``): the Engine's default.
+
+    ``kv_dtype`` stores the pages in the model's dtype (``None``, the default) or quantised:
+    ``"int8"`` or ``"float8_e4m3fn"`` (``"fp8"``), with a scale per token and KV head
+    (``flexpage.core.quant``): about a quarter of float32's bytes per token, for attention over
+    values within the format's rounding (greedy tokens may then differ from stock's).
     """
     if pack_weights and not few_row_linears:
         raise ValueError("pack_weights=True needs few_row_linears=True (packed weights are one of its kernels)")
@@ -132,6 +138,7 @@ def wrap(
         dtype=model.dtype,
         device=devices,
         num_kv_heads=kv_heads_per_rank(model),
+        kv_dtype=kv_dtype,
     )
     _register(stock)
     model.set_attn_implementation(FALLBACKS[stock])

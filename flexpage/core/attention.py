@@ -11,6 +11,7 @@ from .compile import compile_static
 from .masks import PackedBlockMask, ScoreMod, SequenceKV, StaticDecodeMask, static_mask_at
 from .host import cdiv
 from .policy import device_policy
+from .quant import dequantise, dequantised_pool, is_quantised, value_dim
 
 
 def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options):
@@ -74,6 +75,9 @@ def paged_attention(
         )
     if query.shape[-1] != key_pool.shape[-1]:
         raise ValueError(f"query head_dim ({query.shape[-1]}) differs from key_pool's ({key_pool.shape[-1]})")
+    if is_quantised(key_pool):
+        raise ValueError("paged_attention reads pools of the query's dtype; quantised pools are attended by "
+                         "packed_attention (or dequantised first: flexpage.core.quant.dequantise)")
     if query.dtype != key_pool.dtype or value_pool.dtype != key_pool.dtype:
         raise ValueError(
             f"query dtype {query.dtype} must match the pools' dtype {key_pool.dtype} (value {value_pool.dtype})"
@@ -124,13 +128,16 @@ def sequence_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, kv: 
 
     ``kv`` (``decode_kv`` / ``chunk_kv`` of the step's mask) names the keys' slots. Keys in
     consecutive slots are attended in place (a slice of the pool, no copy), others are
-    gathered first. See ``sdpa_over_pages`` for when this is the kernel.
+    gathered first; quantised keys are dequantised as they are sliced or gathered. See
+    ``sdpa_over_pages`` for when this is the kernel.
     """
     if kv.start is not None:
         keys = key_pool[:, :, kv.start : kv.start + kv.width]
         values = value_pool[:, :, kv.start : kv.start + kv.width]
     else:
         keys, values = key_pool[:, :, kv.slots], value_pool[:, :, kv.slots]
+    if is_quantised(keys):  # quantised pages: dequantised in the copy, the pages read once
+        keys, values = dequantise(keys, query.dtype), dequantise(values, query.dtype)
     batch, heads, n, _ = query.shape
     if kv.earlier and device_policy(query.device).split_chunk_attention:
         return _chunk_after_earlier_keys(query, keys, values, kv.earlier, scale)
@@ -198,6 +205,9 @@ def packed_attention(
     Where SDPA over a sequence's pages is the faster kernel (``sdpa_over_pages``), a lone
     decode token, and each prefill chunk in a call of its own, are attended that way instead.
     ``window`` and ``cap`` select the layer's variant (sliding window, logit soft-cap).
+    Quantised pools (``flexpage.core.quant``) are dequantised where they are read: in the SDPA
+    path's slice or gather, and for FlexAttention (whose pools are in the query's dtype) into a
+    scratch pool at the slots of the step's pages (``PackedBlockMask.read_slots``).
     Returns ``[1, Hq, T, Dv]``.
     """
     if isinstance(block_mask, StaticDecodeMask) and torch.compiler.is_compiling():  # one opaque call, run eagerly
@@ -214,12 +224,13 @@ def packed_attention(
     elif decoded:  # a batch of one-token rows: [1, H, n, D] -> [decode_len, H, 1, D] -> [1, H, n, D]
         group = query_group(query, key_pool) if block_mask.group is None else block_mask.group
         mask, score_mod = block_mask.decode_region(window, cap, group)
+        key_pool, value_pool = _flex_pools(query, key_pool, value_pool, block_mask)
         rows = F.pad(query[0, :, :decoded].transpose(0, 1), (0, 0, 0, 0, 0, plan.decode_len - decoded))
         rows = rows.contiguous()[:, :, None]  # padding nothing keeps the transposed strides: the kernel reads rows
         out = rows_attention(rows, key_pool, value_pool, mask, score_mod, scale, group)
         outputs.append(out[:decoded, :, 0].transpose(0, 1)[None])
     if plan.q_len > decoded and sdpa_over_pages(query.device, cap, 1):  # one SDPA call per chunk
-        region = query.new_zeros(1, query.shape[1], plan.q_len - decoded, value_pool.shape[-1])
+        region = query.new_zeros(1, query.shape[1], plan.q_len - decoded, value_dim(value_pool))
         start = 0  # padding positions keep zeros: their outputs are never read
         for (_, n), kv in zip(plan.chunks, block_mask.chunk_kvs(window)):
             chunk = query[:, :, decoded + start : decoded + start + n]
@@ -227,8 +238,20 @@ def packed_attention(
             start += cdiv(n, plan.chunk_block) * plan.chunk_block
         outputs.append(region)
     elif plan.q_len > decoded:
+        key_pool, value_pool = _flex_pools(query, key_pool, value_pool, block_mask)
         outputs.append(_region_attention(query, key_pool, value_pool, block_mask.region("chunk", window, cap), scale))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+
+def _flex_pools(query: Tensor, key_pool: Tensor, value_pool: Tensor, block_mask: PackedBlockMask
+                ) -> tuple[Tensor, Tensor]:
+    """The pools FlexAttention reads for this step: quantised pools dequantised (in the query's dtype)
+    at the slots of the step's pages into scratch pools; pools of the query's dtype as they are."""
+    if not is_quantised(key_pool):
+        return key_pool, value_pool
+    slots = block_mask.read_slots()
+    return (dequantised_pool(key_pool, slots, query.dtype, "keys"),
+            dequantised_pool(value_pool, slots, query.dtype, "values"))
 
 
 @torch.library.custom_op("flexpage::static_decode_attention", mutates_args=())
@@ -244,7 +267,7 @@ def static_decode_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor,
 @static_decode_attention.register_fake
 def _static_decode_attention_shape(query: Tensor, key_pool: Tensor, value_pool: Tensor, tok_pos: Tensor,
                                    window: int | None, cap: float | None, scale: float | None) -> Tensor:
-    return query.new_empty(*query.shape[:3], value_pool.shape[-1])
+    return query.new_empty(*query.shape[:3], value_dim(value_pool))
 
 
 def sdpa_over_pages(device: torch.device, cap: float | None, sequences: int) -> bool:

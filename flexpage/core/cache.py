@@ -9,6 +9,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import memory
+from .quant import dequantise, kv_storage_dtype, pool_width, quantise
 from .pages import PackedPlan, PageTable, StepPlan, check_packed_layout
 from .step_shape import StepShape
 
@@ -42,7 +43,9 @@ class CacheStats:
 
 
 class PagedLayer(CacheLayerMixin):
-    """One decoder layer's K and V pools, shaped ``[1, kv_heads, (num_pages + 1) * page_size, head_dim]``.
+    """One decoder layer's K and V pools, shaped ``[1, kv_heads, (num_pages + 1) * page_size, width]``:
+    ``width`` is ``head_dim``, or for quantised pages ``head_dim`` values and their scale
+    (``flexpage.core.quant``).
 
     The extra page at the end is the sink that absorbs padding writes; it is never attended.
     """
@@ -55,7 +58,7 @@ class PagedLayer(CacheLayerMixin):
     def __init__(self, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.device = device
-        shape = (1, num_kv_heads, num_slots, head_dim)
+        shape = (1, num_kv_heads, num_slots, pool_width(head_dim, dtype))
         self.keys = memory.zeros(shape, dtype, device)  # on the CPU on huge pages: decode reads them scattered
         self.values = memory.zeros(shape, dtype, device)
         self.is_initialized = True
@@ -72,9 +75,13 @@ class PagedLayer(CacheLayerMixin):
         for pool, states in ((self.keys, key_states), (self.values, value_states)):
             b, h, q, d = states.shape
             rows = states if b == 1 else states.transpose(0, 1).reshape(1, h, b * q, d)
+            rows = quantise(rows, pool.dtype) if pool.shape[-1] != d else rows.to(pool.dtype)
             # Into the pool itself, not a view of it: inductor then writes a compiled forward's
             # copy in place; through a view it copied the whole pool back every step.
-            pool.index_copy_(2, flat, rows.to(pool.dtype))
+            if pool.dtype == torch.float8_e4m3fn:  # no index_copy_ for float8 on the CPU
+                pool[:, :, flat] = rows
+            else:
+                pool.index_copy_(2, flat, rows)
 
     def copy_page(self, src: int, dst: int, page_size: int) -> None:
         for pool in (self.keys, self.values):
@@ -111,10 +118,12 @@ class PagedKVCache(Cache):
         num_layers: int | None = None,
         num_kv_heads: int | None = None,
         head_dim: int | None = None,
+        kv_dtype: str | torch.dtype | None = None,
     ) -> None:
         check_page_size(page_size)
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
+        storage = kv_storage_dtype(kv_dtype, dtype)
         num_layers = num_layers or getattr(config, "num_hidden_layers", None)
         num_heads = getattr(config, "num_attention_heads", None)
         num_kv_heads = num_kv_heads or getattr(config, "num_key_value_heads", None) or num_heads
@@ -131,12 +140,13 @@ class PagedKVCache(Cache):
         self.page_table = PageTable(num_pages, page_size, max_batch_size, max_pages_per_seq, devices[0])
         num_slots = (num_pages + 1) * page_size  # + the sink page
         super().__init__(
-            layers=[PagedLayer(num_slots, num_kv_heads, head_dim, dtype, d) for d in devices]
+            layers=[PagedLayer(num_slots, num_kv_heads, head_dim, storage, d) for d in devices]
         )
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.dtype = dtype
+        self.dtype = dtype  # the model's: K/V arrive and attention reads them in it
+        self.kv_dtype = storage  # the pages': ``dtype``, or a quantised format
         self.step: StepPlan | PackedPlan | None = None
         self._written: set[int] = set()  # layers already written in this step
         # transformers' view: the page-table rows its batch index refers to, and how many
@@ -317,12 +327,20 @@ class PagedKVCache(Cache):
         return self.page_table.seq_lens[row]
 
     def gather(self, layer_idx: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A row's K/V as contiguous ``[kv_heads, length, head_dim]`` tensors (for tests and export)."""
+        """A row's K/V as contiguous ``[kv_heads, length, head_dim]`` tensors of the model's dtype
+        (dequantised from quantised pages), for tests and export."""
         pages = torch.tensor(self.page_table.pages_of(row), dtype=torch.int64)
         slots = (pages[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
         slots = slots[: self.seq_length(row)].to(self.layers[layer_idx].device)
         layer = self.layers[layer_idx]
-        return layer.keys[0, :, slots], layer.values[0, :, slots]
+        if self.kv_dtype == self.dtype:
+            return layer.keys[0, :, slots], layer.values[0, :, slots]
+        return dequantise(layer.keys[0, :, slots], self.dtype), dequantise(layer.values[0, :, slots], self.dtype)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Pool bytes one token takes over every layer's K and V (scales included)."""
+        return sum(2 * layer.keys.shape[1] * layer.keys.shape[3] * layer.keys.element_size() for layer in self.layers)
 
     def stats(self) -> CacheStats:
         """Pages in use and live tokens (shared pages counted once), from counts the page table

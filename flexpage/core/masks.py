@@ -417,6 +417,18 @@ class PackedBlockMask(_StepMask):
         (row,) = self.plan.decode_rows
         return self._variant(("decode_kv", window), lambda: SequenceKV.for_row(self.page_table, row, window))
 
+    def read_rows(self) -> tuple[int, ...]:
+        """The page-table rows whose keys this step reads: its decode rows, then its chunks'."""
+        return (*self.plan.decode_rows, *(row for row, _ in self.plan.chunks))
+
+    def read_slots(self) -> Tensor:
+        """Every pool slot of the pages this step's rows hold (where its attention may read)."""
+        def slots() -> Tensor:
+            table, page = self.page_table, self.page_table.page_size
+            pages = sorted({p for row in self.read_rows() for p in table.seq_pages[row]})
+            return (torch.tensor(pages, dtype=torch.int64)[:, None] * page + torch.arange(page)).view(-1).to(table.device)
+        return self._variant(("read_slots",), slots)
+
     def chunk_kvs(self, window: int | None = None) -> list[SequenceKV]:
         """The keys of each prefill chunk's sequence and the chunk's causal mask, for one SDPA
         call per chunk."""
@@ -457,6 +469,9 @@ class StaticDecodeMask(PackedBlockMask):
         (row,) = self.rows
         return self._variant(("decode_kv", window), lambda: SequenceKV.for_row(self.page_table, row, window))
 
+    def read_rows(self) -> tuple[int, ...]:
+        return self.rows
+
     def tensors(self) -> list[Tensor]:
         """Every tensor of the mask that ``refresh`` rewrites: the decode rows' and each variant's
         block metadata (the step reads them where they are: their addresses never change)."""
@@ -473,7 +488,7 @@ class StaticDecodeMask(PackedBlockMask):
         """Rewrite the decode rows and every variant's block metadata from the plan's tensors (written
         for this step's page-table ``rows`` by ``PageTable.plan_packed``) and the page table."""
         self.rows = tuple(rows)
-        for key in [key for key in self._variants if key[0] == "decode_kv"]:  # a lone row's keys: per step
+        for key in [key for key in self._variants if key[0] in ("decode_kv", "read_slots")]:  # per step
             del self._variants[key]
         rows = self._variants[("decode_rows",)]
         torch.clamp(self.plan.tok_pos, min=0, out=rows.q_start)  # padding rows (position -1) see nothing

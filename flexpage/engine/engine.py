@@ -50,7 +50,8 @@ class Engine:
     by default); the other ranks call ``follow()`` until rank 0 calls ``close()``; ``check_ranks``
     compares every step's plan across ranks. ``few_row_linears`` and ``pack_weights`` are ``wrap``'s
     (CPU linear layers through the GEMM measured fastest; oneDNN on packed copies of the weights,
-    by default when they need at most a quarter of the memory available).
+    by default when they need at most a quarter of the memory available). ``kv_dtype`` is ``wrap``'s:
+    the pages in the model's dtype (None) or quantised (``"int8"``, ``"float8_e4m3fn"``).
 
     ``speculative``: ``"ngram"`` (prompt lookup in each request's tokens), a draft model (an Engine
     of its own, ``DraftModel``) or a proposer ``(tokens, k) -> drafts``. Each decoding
@@ -76,6 +77,7 @@ class Engine:
         num_speculative_tokens: int = 4,
         adaptive_speculation: bool = True,
         compile_decode: bool | None = None,
+        kv_dtype: str | torch.dtype | None = None,
     ) -> None:
         self.positions = getattr(model.config, "max_position_embeddings", None)  # past them the model is untrained
         if max_seq_len is not None and self.positions and max_seq_len > self.positions:
@@ -83,7 +85,7 @@ class Engine:
                              f"(config.max_position_embeddings)")
         self.model = wrap(model, page_size=page_size, max_cached_tokens=max_cached_tokens, max_batch_size=max_batch_size,
                           max_seq_len=max_seq_len or self.positions, few_row_linears=few_row_linears,
-                          pack_weights=pack_weights)
+                          pack_weights=pack_weights, kv_dtype=kv_dtype)
         state = paged_state(self.model)
         self.cache, self.tokenizer = state.cache, tokenizer
         self.grammars = None if tokenizer is None else Grammars(tokenizer, self.model.config.vocab_size)
