@@ -9,11 +9,12 @@ import random
 
 import torch
 import torch.nn.functional as F
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import flexpage
 from flexpage import mods, zoo
+from flexpage.core import quant
 from flexpage.engine.block_manager import BlockManager
 from flexpage.engine.sampling import sample_tokens
 
@@ -21,8 +22,9 @@ GARBAGE = 1e4  # what unwritten slots hold: any read of one shows up as a huge e
 
 
 def make_cache(page_size, num_pages, num_kv_heads, head_dim, dtype=torch.float32, max_batch_size=8, seed=0,
-               device="cpu"):
-    """A one-layer cache whose free list is shuffled, so pages land scattered over the pool."""
+               device="cpu", kv_dtype=None):
+    """A one-layer cache whose free list is shuffled, so pages land scattered over the pool, and
+    whose unwritten slots hold ``GARBAGE`` (quantised pools: ``GARBAGE`` quantised)."""
     cache = flexpage.PagedKVCache(
         num_layers=1,
         num_kv_heads=num_kv_heads,
@@ -32,14 +34,34 @@ def make_cache(page_size, num_pages, num_kv_heads, head_dim, dtype=torch.float32
         max_batch_size=max_batch_size,
         dtype=dtype,
         device=device,
+        kv_dtype=kv_dtype,
     )
     free = list(cache.page_table.free_pages)
     random.Random(seed).shuffle(free)
     cache.page_table.free_pages.clear()
     cache.page_table.free_pages.extend(free)
     for pool in (cache.layers[0].keys, cache.layers[0].values):
-        pool.fill_(GARBAGE)
+        garbage = torch.full((*pool.shape[:-1], head_dim), GARBAGE)
+        pool.copy_(quant.quantise(garbage, pool.dtype) if quant.is_quantised(pool) else garbage)
     return cache
+
+
+def rounded(states, kv_dtype):
+    """``states`` as quantised pages of ``kv_dtype`` (a name or dtype) give them back (``flexpage.core.quant``)."""
+    return quant.dequantise(quant.quantise(states, quant.KV_DTYPES.get(kv_dtype, kv_dtype)), states.dtype)
+
+
+class RoundedKVCache(DynamicCache):
+    """Stock's dynamic cache storing K/V as quantised pages of ``kv_dtype`` give them back: the
+    reference for attention over quantised pages (each token's K/V rounded once, when written)."""
+
+    def __init__(self, kv_dtype, **kwargs):
+        super().__init__(**kwargs)
+        self.kv_dtype = kv_dtype
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return super().update(rounded(key_states, self.kv_dtype), rounded(value_states, self.kv_dtype), *args,
+                              **kwargs)
 
 
 def write_step(cache, rows, keys, values, q_len=None):

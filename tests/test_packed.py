@@ -7,20 +7,22 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reference import make_cache, reference_attention
+from reference import make_cache, reference_attention, rounded
 
 import flexpage
 from flexpage import masks, mods
+from flexpage.core import quant
 
 HQ, HKV, D, PAGE = 8, 2, 32, 16
 DECODE_LEN, CHUNK_LEN = 4, 96  # the step's static regions: one compile per variant
 
 
-def _ragged_step(decode_ctx, chunks, window, cap, seed, decode_len=DECODE_LEN, chunk_len=CHUNK_LEN):
+def _ragged_step(decode_ctx, chunks, window, cap, seed, decode_len=DECODE_LEN, chunk_len=CHUNK_LEN, kv_dtype=None):
     """Rows 0..k-1 decode one token after ``decode_ctx[i]`` cached tokens; the next rows run a
-    prefill chunk of ``n`` tokens after ``c`` cached ones, for ``(c, n)`` in ``chunks``."""
+    prefill chunk of ``n`` tokens after ``c`` cached ones, for ``(c, n)`` in ``chunks``. With a
+    quantised ``kv_dtype`` the reference attends the K/V as rounded by quantising them."""
     torch.manual_seed(seed)
-    cache = make_cache(PAGE, 64, HKV, D, max_batch_size=8, seed=seed)
+    cache = make_cache(PAGE, 64, HKV, D, max_batch_size=8, seed=seed, kv_dtype=kv_dtype)
     rows = [cache.add_sequence() for _ in range(len(decode_ctx) + len(chunks))]
     before = list(decode_ctx) + [c for c, _ in chunks]
     new = [1] * len(decode_ctx) + [n for _, n in chunks]
@@ -46,7 +48,8 @@ def _ragged_step(decode_ctx, chunks, window, cap, seed, decode_len=DECODE_LEN, c
     for i, row in enumerate(rows):
         at = (plan.tok_rows == row) & (plan.tok_pos >= 0)
         q_pos = plan.tok_pos[at]
-        ref = reference_attention(query[0][:, at], keys[i], values[i], q_pos, 0, mask_mod, score_mod)
+        k, v = (keys[i], values[i]) if kv_dtype is None else (rounded(keys[i], kv_dtype), rounded(values[i], kv_dtype))
+        ref = reference_attention(query[0][:, at], k, v, q_pos, 0, mask_mod, score_mod)
         torch.testing.assert_close(out[0][:, at].double(), ref, atol=1e-5, rtol=1e-5)
     assert torch.isfinite(out).all()  # padding positions included
     return cache, plan, mask
@@ -147,3 +150,24 @@ def test_static_decode_step_rewrites_its_tensors_in_place_and_attends_like_the_r
                 ref = reference_attention(query[0][:, i : i + 1], keys[row], values[row], q_pos, 0, mask_mod, score_mod)
                 torch.testing.assert_close(out[0][:, i : i + 1].double(), ref, atol=1e-5, rtol=1e-5)
         assert [t.data_ptr() for t in mask.tensors()] == addresses
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("decode_ctx, chunks, window, cap", [
+    ([5, 40, 100], [(17, 30)], None, None),  # decode rows: FlexAttention over the dequantised scratch
+    ([5, 40, 100], [], 24, None),
+    ([77], [(100, 37)], None, None),  # a lone decode token and a chunk: SDPA, dequantised as gathered
+    ([3, 60], [(0, 20)], None, 2.0),  # soft-capped: every region through FlexAttention
+])
+def test_quantised_pages_attend_like_the_reference_over_their_rounded_values(kv_dtype, decode_ctx, chunks, window,
+                                                                              cap):
+    """Over int8 / float8 pages, a ragged step's attention equals the reference over contiguous K/V
+    rounded as quantising them rounds them (each token's scale its own): quantisation is the only
+    difference, whichever kernel reads the pages. The pages' unwritten slots hold garbage, and so
+    does FlexAttention's scratch pool wherever this step does not write it."""
+    pool = make_cache(PAGE, 64, HKV, D, kv_dtype=kv_dtype).layers[0].keys  # garbage, quantised
+    every_slot = torch.arange(pool.shape[2])
+    for name in ("keys", "values"):
+        quant.dequantised_pool(pool, every_slot, torch.float32, name)
+    _ragged_step(decode_ctx, chunks, window, cap, seed=5, decode_len=max(len(decode_ctx), 1),
+                 chunk_len=CHUNK_LEN if chunks else 0, kv_dtype=kv_dtype)

@@ -65,6 +65,9 @@ def paged_attention(
             f"query and pools must be 4-D, got query {tuple(query.shape)}, key_pool {tuple(key_pool.shape)}, "
             f"value_pool {tuple(value_pool.shape)}"
         )
+    if is_quantised(key_pool):
+        raise ValueError("paged_attention reads pools of the query's dtype; quantised pools are attended by "
+                         "packed_attention (or dequantised first: flexpage.core.quant.dequantise)")
     num_heads, num_kv_heads = query.shape[1], key_pool.shape[1]
     if num_heads % num_kv_heads:
         raise ValueError(f"query heads ({num_heads}) must be a multiple of key_pool heads ({num_kv_heads})")
@@ -75,9 +78,6 @@ def paged_attention(
         )
     if query.shape[-1] != key_pool.shape[-1]:
         raise ValueError(f"query head_dim ({query.shape[-1]}) differs from key_pool's ({key_pool.shape[-1]})")
-    if is_quantised(key_pool):
-        raise ValueError("paged_attention reads pools of the query's dtype; quantised pools are attended by "
-                         "packed_attention (or dequantised first: flexpage.core.quant.dequantise)")
     if query.dtype != key_pool.dtype or value_pool.dtype != key_pool.dtype:
         raise ValueError(
             f"query dtype {query.dtype} must match the pools' dtype {key_pool.dtype} (value {value_pool.dtype})"

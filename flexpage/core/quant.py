@@ -78,6 +78,8 @@ def dequantised_pool(pool: Tensor, slots: Tensor, dtype: torch.dtype, name: str)
     if scratch is None:
         for old in [k for k in _SCRATCH if k[0] == name]:  # one size at a time: a new cache replaces it
             del _SCRATCH[old]
-        scratch = _SCRATCH[key] = torch.zeros(*pool.shape[:-1], value_dim(pool), dtype=dtype, device=pool.device)
+        with torch.inference_mode(False):  # a plain tensor: steps in and out of inference mode write it
+            scratch = torch.zeros(*pool.shape[:-1], value_dim(pool), dtype=dtype, device=pool.device)
+        _SCRATCH[key] = scratch
     scratch[:, :, slots] = dequantise(pool[:, :, slots], dtype)
     return scratch

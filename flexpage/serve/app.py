@@ -176,7 +176,7 @@ class Server:
                  max_request_bytes: int = MAX_REQUEST_BYTES) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.max_request_bytes = max_request_bytes
-        self.metrics = Metrics(model_name)
+        self.metrics = Metrics(model_name, engine.cache.bytes_per_token)
         self.runner = EngineRunner(engine, self.metrics, max_waiting)
         self.workers = ThreadPoolExecutor(HTTP_WORKERS, thread_name_prefix="flexpage-http-work")
         self.grammars = Grammars(tokenizer, engine.model.config.vocab_size)

@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--max-cached-tokens", type=int, default=32768, help="KV-cache pool size in tokens")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8", "float8_e4m3fn"], default="auto",
+                        help="the pages' dtype: the model's (auto) or quantised, with a scale per token and KV head")
     parser.add_argument("--max-batch-size", type=int, default=32, help="sequences running at once")
     parser.add_argument("--max-tokens-per-step", type=int, default=512, help="tokens fed per step")
     parser.add_argument("--max-waiting", type=int, default=256,
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
                     max_cached_tokens=args.max_cached_tokens, max_batch_size=args.max_batch_size,
                     max_tokens_per_step=args.max_tokens_per_step, prefix_caching=not args.no_prefix_caching,
                     pack_weights=args.pack_weights, compile_decode=args.compile_decode, speculative=speculative,
-                    num_speculative_tokens=args.num_speculative_tokens)
+                    num_speculative_tokens=args.num_speculative_tokens, kv_dtype=args.kv_cache_dtype)
     if engine.ranks is not None and not engine.ranks.leader:
         engine.follow()  # until rank 0's server stops
         return

@@ -13,7 +13,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5
 class Metrics:
     """What the engine thread reports: queue depths, KV usage, prefix cache, tokens and latencies."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, kv_bytes_per_token: int) -> None:
         self.registry = CollectorRegistry()
         labels, values = ["model_name"], [model_name]
 
@@ -25,6 +25,8 @@ class Metrics:
         self.running = make(Gauge, "num_requests_running", "Requests in the engine's running batch")
         self.waiting = make(Gauge, "num_requests_waiting", "Requests waiting to be admitted")
         self.kv_usage = make(Gauge, "kv_cache_usage_perc", "Fraction of KV-cache pages in use (1 = full)")
+        make(Gauge, "kv_cache_bytes_per_token", "KV-cache pool bytes per token (all layers, K and V, scales included)"
+             ).set(kv_bytes_per_token)
         self.prefix_queries = make(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_hit_tokens = make(Counter, "prefix_cache_hits", "Prompt tokens served from the prefix cache")
         self.preemptions = make(Counter, "num_preemptions", "Requests preempted (pages freed, recomputed later)")
