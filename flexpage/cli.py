@@ -12,6 +12,7 @@
     flexpage bench tp            tensor parallelism: decode latency at tp=1 vs 2, KV capacity per rank
     flexpage bench speculative   speculative decoding: verify cost, speed-up at known acceptance, assisted generate()
     flexpage bench roofline      decode time beside the time to read its weights and K/V once, fp32 and bf16
+    flexpage bench long          decode to 64k tokens over model-dtype, int8 and fp8 pages; their faithfulness
 
 ``flexpage <command> --help`` lists a command's options. ``--model`` takes a zoo name or a local
 ``save_pretrained`` directory; ``--quick`` runs a few seconds of work on the tiny model and writes
@@ -26,7 +27,7 @@ import sys
 COMMANDS = {"generate": "flexpage.bench.generate", "serve": "flexpage.serve.cli"}
 BENCHMARKS = {name: f"flexpage.bench.{name}" for name in ("latency", "throughput", "prefix", "attention", "startup",
                                                                   "steps", "serve", "tp", "speculative",
-                                                                  "roofline")}
+                                                                  "roofline", "long")}
 HELP = ("-h", "--help")
 
 
