@@ -381,10 +381,12 @@ def _begin_paged_step(shape: StepShape, module: torch.nn.Module, args: tuple, kw
 
 
 def _end_paged_step(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-    """Forward hook of the decoder: a paged forward's hidden states laid back out as ``[batch, columns]``."""
+    """Forward hook of the decoder: a paged forward's hidden states laid back out as ``[batch, columns]``
+    (and the cache told the windows its layers attended, ``PagedKVCache.learn_window``)."""
     mask = kwargs.get("attention_mask")
     if not isinstance(mask, BatchStepMask):
         return None
+    _paged_cache(kwargs).learn_window(mask)
     if isinstance(output, tuple):
         return (mask.unpack(output[0]), *output[1:])
     output.last_hidden_state = mask.unpack(output.last_hidden_state)

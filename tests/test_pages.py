@@ -9,8 +9,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from flexpage import OutOfPagesError, PageTable
+from flexpage.core.pages import RELEASED
 
 NUM_PAGES, PAGE_SIZE, ROWS, PAGES_PER_SEQ = 12, 16, 5, 8
+WINDOW = 24  # a sliding window of a page and a half
 
 
 def snapshot(pt: PageTable):
@@ -26,6 +28,7 @@ def snapshot(pt: PageTable):
         pt.lens.clone(),
         list(pt.page_fill),
         pt.live_tokens,
+        list(pt.first_held),
     )
 
 
@@ -128,14 +131,24 @@ class PageTableMachine(RuleBasedStateMachine):
     def truncate(self, data):
         row = data.draw(st.sampled_from(self.pt.active_rows))
         length = data.draw(st.integers(0, self.pt.seq_lens[row]))
-        self.pt.truncate(row, length)
+        before = snapshot(self.pt)
+        try:
+            self.pt.truncate(row, length)
+        except ValueError:  # only where the window that length needs was given back; nothing changed
+            assert self.pt.window is not None and self.pt.first_held[row] > 0
+            assert_same(before, snapshot(self.pt))
+            return
         self.tokens[row] = self.tokens[row][:length]
+
+    def held(self, row):
+        """``(logical index, page)`` of the pages ``row`` still holds."""
+        return [(i, page) for i, page in enumerate(self.pt.pages_of(row)) if page != RELEASED]
 
     @invariant()
     def live_tokens_count_each_held_page_once(self):
         pt, filled = self.pt, {}
         for row in pt.active_rows:
-            for i, page in enumerate(pt.pages_of(row)):
+            for i, page in self.held(row):
                 filled[page] = max(filled.get(page, 0), min(PAGE_SIZE, pt.seq_lens[row] - i * PAGE_SIZE))
         assert pt.live_tokens == sum(filled.values())
 
@@ -144,7 +157,7 @@ class PageTableMachine(RuleBasedStateMachine):
         pt = self.pt
         owners = [0] * NUM_PAGES
         for row in pt.active_rows:
-            for page in pt.pages_of(row):
+            for _, page in self.held(row):
                 owners[page] += 1
         assert owners == pt.ref_counts
         free, cached = list(pt.free_pages), list(pt.cached_pages)
@@ -156,7 +169,7 @@ class PageTableMachine(RuleBasedStateMachine):
     @invariant()
     def rows_hold_their_tokens(self):
         for row in self.pt.active_rows:
-            for i, page in enumerate(self.pt.pages_of(row)):
+            for i, page in self.held(row):
                 expect = tuple(self.tokens[row][i * PAGE_SIZE : (i + 1) * PAGE_SIZE])
                 assert self.page_content[page][: len(expect)] == expect
         for page, key in self.pt.page_keys.items():
@@ -172,7 +185,7 @@ class PageTableMachine(RuleBasedStateMachine):
             assert pt.lens[row].item() == (pt.seq_lens[row] if pt.seq_pages[row] is not None else 0)
             assert len(pages) == -(-pt.seq_lens[row] // PAGE_SIZE)
             for i, page in enumerate(pages):
-                assert pt.page_logical[page].item() == i
+                assert pt.page_logical[page].item() == i if page != RELEASED else i < pt.first_held[row]
         for page in pt.free_pages:
             assert pt.page_logical[page].item() == -1
         for page, key in pt.page_keys.items():  # cached pages keep their place in the sequence
@@ -200,6 +213,29 @@ class TensorMirrorMachine(PageTableMachine):
 
 TestTensorMirrorMachine = TensorMirrorMachine.TestCase
 TestTensorMirrorMachine.settings = settings(max_examples=50, stateful_step_count=30, deadline=None)
+
+
+class WindowedPageTableMachine(PageTableMachine):
+    """The same rules where every query attends at most ``WINDOW`` positions back: rows give back
+    the pages wholly before their earliest query's window, and nothing else changes."""
+
+    def __init__(self):
+        super().__init__()
+        self.pt.window = WINDOW
+
+    @invariant()
+    def a_row_holds_exactly_its_pages_from_the_first_one_kept(self):
+        pt = self.pt
+        for row in pt.active_rows:
+            pages, first = pt.pages_of(row), pt.first_held[row]
+            assert all(page == RELEASED for page in pages[:first])
+            assert all(page != RELEASED for page in pages[first:])
+            # the next query (at the row's length) sees every key it may attend
+            assert first <= max(0, pt.seq_lens[row] - WINDOW + 1) // PAGE_SIZE
+
+
+TestWindowedPageTableMachine = WindowedPageTableMachine.TestCase
+TestWindowedPageTableMachine.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
 
 
 def test_fork_then_write_copies_shared_partial_page():
@@ -340,3 +376,26 @@ def test_room_and_unowned_pages_as_the_scheduler_asks():
     other = pt.add_sequence()
     pt.attach(other, [cached])
     assert pt.unowned([cached]) == 0 and pt.num_free_pages == free - 1
+
+
+def test_a_windowed_row_gives_back_the_pages_before_its_window_as_it_grows():
+    pt = PageTable(NUM_PAGES, PAGE_SIZE, ROWS, PAGES_PER_SEQ)
+    pt.window = WINDOW
+    row, other = pt.add_sequence(), pt.add_sequence()
+    pt.extend([row], [40])  # the step's earliest query (position 0) sees from page 0: nothing given back
+    assert pt.first_held[row] == 0 and pt.num_free_pages == NUM_PAGES - 3
+    for _ in range(60):  # one token a step: a query at position p sees keys from p - 23
+        pt.extend([row], [1])
+        length = pt.seq_lens[row]
+        held = [p for p in pt.pages_of(row) if p != RELEASED]
+        assert pt.first_held[row] == max(0, length - 1 - WINDOW + 1) // PAGE_SIZE
+        assert len(held) <= -(-WINDOW // PAGE_SIZE) + 1  # the window's pages and the one written
+    assert pt.num_free_pages == NUM_PAGES - len(held)  # given back to the pool, for other rows
+    assert pt.table[row, : pt.first_held[row]].eq(RELEASED).all()
+    pt.extend([other], [16 * 6])  # takes pages the first row gave back
+    with pytest.raises(ValueError, match="given back"):
+        pt.truncate(row, 40)
+    pt.truncate(row, pt.seq_lens[row] - 3)  # a rollback within the window (rejected drafts) is fine
+    pt.free_sequence(row)
+    pt.free_sequence(other)
+    assert pt.num_free_pages == NUM_PAGES and not any(pt.ref_counts)

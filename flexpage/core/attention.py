@@ -11,7 +11,7 @@ from .compile import compile_static
 from .masks import PackedBlockMask, ScoreMod, SequenceKV, StaticDecodeMask, static_mask_at
 from .host import cdiv
 from .policy import device_policy
-from .quant import dequantise, dequantised_pool, is_quantised, value_dim
+from .quant import dequantise_into, dequantised_pool, is_quantised, scratch_pool, value_dim
 
 
 def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options):
@@ -128,7 +128,7 @@ def sequence_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, kv: 
 
     ``kv`` (``decode_kv`` / ``chunk_kv`` of the step's mask) names the keys' slots. Keys in
     consecutive slots are attended in place (a slice of the pool, no copy), others are
-    gathered first; quantised keys are dequantised as they are sliced or gathered. See
+    gathered first; quantised keys are dequantised into a scratch pool (``quant.scratch_pool``). See
     ``sdpa_over_pages`` for when this is the kernel.
     """
     if kv.start is not None:
@@ -136,8 +136,9 @@ def sequence_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, kv: 
         values = value_pool[:, :, kv.start : kv.start + kv.width]
     else:
         keys, values = key_pool[:, :, kv.slots], value_pool[:, :, kv.slots]
-    if is_quantised(keys):  # quantised pages: dequantised in the copy, the pages read once
-        keys, values = dequantise(keys, query.dtype), dequantise(values, query.dtype)
+    if is_quantised(keys):  # quantised pages: dequantised into the first slots of the scratch pools
+        keys = dequantise_into(keys, scratch_pool(key_pool, query.dtype, "keys")[:, :, : kv.width])
+        values = dequantise_into(values, scratch_pool(value_pool, query.dtype, "values")[:, :, : kv.width])
     batch, heads, n, _ = query.shape
     if kv.earlier and device_policy(query.device).split_chunk_attention:
         return _chunk_after_earlier_keys(query, keys, values, kv.earlier, scale)

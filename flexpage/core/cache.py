@@ -9,8 +9,9 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import memory
-from .quant import dequantise, kv_storage_dtype, pool_width, quantise
+from .quant import dequantise, is_quantised, kv_storage_dtype, pool_width, quantise
 from .pages import PackedPlan, PageTable, StepPlan, check_packed_layout
+from .masks import PackedBlockMask
 from .step_shape import StepShape
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -75,7 +76,7 @@ class PagedLayer(CacheLayerMixin):
         for pool, states in ((self.keys, key_states), (self.values, value_states)):
             b, h, q, d = states.shape
             rows = states if b == 1 else states.transpose(0, 1).reshape(1, h, b * q, d)
-            rows = quantise(rows, pool.dtype) if pool.shape[-1] != d else rows.to(pool.dtype)
+            rows = quantise(rows, pool.dtype) if is_quantised(pool) else rows.to(pool.dtype)
             # Into the pool itself, not a view of it: inductor then writes a compiled forward's
             # copy in place; through a view it copied the whole pool back every step.
             if pool.dtype == torch.float8_e4m3fn:  # no index_copy_ for float8 on the CPU
@@ -187,6 +188,13 @@ class PagedKVCache(Cache):
                                                 into)
         self._written = set()
         return self.step
+
+    def learn_window(self, mask: PackedBlockMask) -> None:
+        """After a forward through ``mask``: if every layer attended through a sliding window, rows
+        give back their pages before the widest window from now on (``PageTable.window``)."""
+        windows = mask.windows()
+        if self.page_table.window is None and windows and None not in windows:
+            self.page_table.window = max(windows)
 
     def reserve(self, rows: Sequence[int], new_tokens: Sequence[int]) -> None:
         """Grow each row by its new tokens (pages allocated, shared last pages copied before they
@@ -329,6 +337,8 @@ class PagedKVCache(Cache):
     def gather(self, layer_idx: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A row's K/V as contiguous ``[kv_heads, length, head_dim]`` tensors of the model's dtype
         (dequantised from quantised pages), for tests and export."""
+        if self.page_table.first_held[row]:
+            raise ValueError(f"row {row} gave back the pages before its sliding window: its K/V are not all held")
         pages = torch.tensor(self.page_table.pages_of(row), dtype=torch.int64)
         slots = (pages[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
         slots = slots[: self.seq_length(row)].to(self.layers[layer_idx].device)

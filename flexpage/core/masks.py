@@ -287,7 +287,8 @@ def _block_metadata(
     batch, seq_width = rows.shape[0], table.shape[1]
     num_q_blocks = (q_len + q_block_size - 1) // q_block_size
     device = table.device
-    table = table[rows].clamp_min(0)  # [B, seq_width]
+    table = table[rows]  # [B, seq_width]
+    table = torch.where(table < 0, sink_page, table)  # unused columns and released pages: the sink, never attended
     kv_lens = kv_lens.long()[:, None]  # [B, 1]
     q_block_start = torch.arange(num_q_blocks, device=device) * q_block_size  # [R]
     first_q = q_start.long()[:, None] + q_block_start  # [B, R]
@@ -401,6 +402,10 @@ class PackedBlockMask(_StepMask):
             _build(self.page_table, rows, mask_mod, Q_BLOCK_SIZE, group),
             None if cap is None else _grouped_score(paged_score_mod(self.page_table, rows, softcap(cap)), group)))
 
+    def windows(self) -> set[int | None]:
+        """The sliding windows (None: no window) of the layers that attended through this mask."""
+        return {key[1] for key in self._variants if key[0] in ("decode", "decode_kv", "chunk", "chunk_kvs")}
+
     def decode_variants(self) -> set[tuple[int | None, float | None]]:
         """The ``(window, cap)`` variants whose decode region this step's layers asked for."""
         return {(key[1], key[2]) for key in self._variants if key[0] == "decode"}
@@ -425,7 +430,7 @@ class PackedBlockMask(_StepMask):
         """Every pool slot of the pages this step's rows hold (where its attention may read)."""
         def slots() -> Tensor:
             table, page = self.page_table, self.page_table.page_size
-            pages = sorted({p for row in self.read_rows() for p in table.seq_pages[row]})
+            pages = sorted({p for row in self.read_rows() for p in table.seq_pages[row][table.first_held[row] :]})
             return (torch.tensor(pages, dtype=torch.int64)[:, None] * page + torch.arange(page)).view(-1).to(table.device)
         return self._variant(("read_slots",), slots)
 

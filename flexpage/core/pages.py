@@ -18,6 +18,8 @@ from ..errors import OutOfPagesError
 from .host import cdiv, host_tensor
 from .policy import device_policy
 
+RELEASED = -1  # a row's entry for a page it gave back: wholly before every query's window (``PageTable.window``)
+
 
 @dataclass(frozen=True)
 class StepPlan:
@@ -103,6 +105,10 @@ class PageTable:
     chained over every token up to its end). Registered pages are never written in place;
     when nobody references one it stays *cached* (its K/V intact, findable by ``lookup``)
     until an allocation needs it, least recently released first.
+
+    Sliding windows: once ``window`` is set (every layer attends at most that many positions
+    back), a row growing past it gives back the pages wholly before its earliest query's window;
+    its page list keeps ``RELEASED`` in their place, so logical page indices never move.
     """
 
     def __init__(
@@ -132,6 +138,8 @@ class PageTable:
         self.key_pages: dict[bytes, int] = {}  # content key -> registered page
         self.seq_pages: list[list[int] | None] = [None] * max_batch_size  # None: row unused
         self.seq_lens = [0] * max_batch_size
+        self.window: int | None = None  # positions back any query attends, where every layer has a window
+        self.first_held = [0] * max_batch_size  # each row's first page it still holds (pages before: released)
         # Live-token accounting, kept as pages change (no walk over the rows per step): a page's
         # fill is how many of its slots hold tokens of its owners (the most any owner holds: owners
         # of a shared page agree unless one was truncated, since nobody writes into a shared page);
@@ -204,6 +212,7 @@ class PageTable:
             raise ValueError(f"row {row} is already in use")
         self.seq_pages[row] = []
         self.seq_lens[row] = 0
+        self.first_held[row] = 0
         return row
 
     def free_sequence(self, row: int) -> None:
@@ -212,7 +221,7 @@ class PageTable:
         pages = self._pages(row)
         self.seq_pages[row] = None  # references are dropped once the row no longer lists them
         self.seq_lens[row] = 0
-        for page in reversed(pages):
+        for page in reversed(pages[self.first_held[row] :]):
             self._unref(page)
         self._set("table", row, -1)
         self._set("lens", row, 0)
@@ -223,10 +232,11 @@ class PageTable:
         """New row sharing every page of ``src`` (each gains a reference)."""
         pages = self._pages(src)
         dst = self.add_sequence(dst)
-        for page in pages:
+        for page in pages[self.first_held[src] :]:
             self.ref_counts[page] += 1
         self.seq_pages[dst] = list(pages)
         self.seq_lens[dst] = self.seq_lens[src]
+        self.first_held[dst] = self.first_held[src]
         self.table[dst] = self.table[src]
         self.lens[dst] = self.seq_lens[src]
         return dst
@@ -238,12 +248,13 @@ class PageTable:
             raise ValueError(f"sources {list(sources)} must be taken from rows {list(rows)}")
         new_pages = [list(self._pages(src)) for src in sources]
         new_lens = [self.seq_lens[src] for src in sources]
-        for pages in new_pages:
-            for page in pages:
+        new_first = [self.first_held[src] for src in sources]
+        for pages, first in zip(new_pages, new_first):
+            for page in pages[first:]:
                 self.ref_counts[page] += 1
-        old_pages = [self.seq_pages[row] for row in rows]
-        for row, pages, length in zip(rows, new_pages, new_lens):
-            self.seq_pages[row], self.seq_lens[row] = pages, length
+        old_pages = [self.seq_pages[row][self.first_held[row] :] for row in rows]
+        for row, pages, length, first in zip(rows, new_pages, new_lens, new_first):
+            self.seq_pages[row], self.seq_lens[row], self.first_held[row] = pages, length, first
             self._mirror(row)
         for pages in old_pages:  # once every row lists its new pages
             for page in pages:
@@ -254,17 +265,21 @@ class PageTable:
         pages = self._pages(row)
         if not 0 <= length <= self.seq_lens[row]:
             raise ValueError(f"cannot truncate row {row} of {self.seq_lens[row]} tokens to {length}")
+        if self._window_start(length) < self.first_held[row]:
+            raise ValueError(f"cannot truncate row {row} to {length} tokens: the pages its window would need "
+                             f"were given back")
         keep = cdiv(length, self.page_size)
         dropped = pages[keep:]
         del pages[keep:]
         self.seq_lens[row] = length
         for page in dropped:
             self._unref(page)
-        if keep and self.ref_counts[pages[-1]] == 1:  # a private last page holds what is kept
+        held = keep > self.first_held[row]  # its last page is still its own (not given back)
+        if held and self.ref_counts[pages[-1]] == 1:  # a private last page holds what is kept
             fill = length - (keep - 1) * self.page_size
             self.live_tokens += fill - self.page_fill[pages[-1]]
             self.page_fill[pages[-1]] = fill
-        elif keep:  # shared: the other owners may hold more of it
+        elif held:  # shared: the other owners may hold more of it
             self._refill(pages[-1])
             self._uneven.add(pages[-1])
         self._mirror(row)
@@ -319,6 +334,7 @@ class PageTable:
                     self._set("page_logical", pages[first_new:], list(range(first_new, total_pages)))
             self.live_tokens += n
             self.seq_lens[row] = length + n
+            self._release(row, self._window_start(length))  # the step's earliest query is at ``length``
         if rows:
             self._set("lens", list(rows), [self.seq_lens[r] for r in rows])
         return copies
@@ -353,7 +369,7 @@ class PageTable:
         if (index + 1) * self.page_size > self.seq_lens[row]:
             raise ValueError(f"page {index} of row {row} is not full ({self.seq_lens[row]} tokens)")
         page = pages[index]
-        if key not in self.key_pages and page not in self.page_keys:
+        if page != RELEASED and key not in self.key_pages and page not in self.page_keys:
             self.key_pages[key], self.page_keys[page] = page, key
 
     def lookup(self, keys: Sequence[bytes]) -> list[int]:
@@ -494,6 +510,21 @@ class PageTable:
         self._set("table", (row, len(pages) - 1), dst)
         self._set("page_logical", dst, len(pages) - 1)
         return src, dst
+
+    def _window_start(self, position: int) -> int:
+        """The first page a query at ``position`` may attend (0 without a window)."""
+        return 0 if self.window is None else max(0, position - self.window + 1) // self.page_size
+
+    def _release(self, row: int, end: int) -> None:
+        """Give back the row's pages before page ``end`` that it still holds."""
+        pages, start = self.seq_pages[row], self.first_held[row]
+        if end <= start:
+            return
+        for i in range(start, end):
+            page, pages[i] = pages[i], RELEASED
+            self._unref(page)
+        self.first_held[row] = end
+        self._set("table", (row, slice(start, end)), RELEASED)
 
     def _mirror(self, row: int) -> None:
         """Rewrite a row's device mirrors from the host lists."""

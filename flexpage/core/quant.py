@@ -61,18 +61,28 @@ def quantise(states: Tensor, dtype: torch.dtype) -> Tensor:
 def dequantise(packed: Tensor, dtype: torch.dtype) -> Tensor:
     """``quantise``'s ``[..., D + SCALE_WIDTH]`` back to ``[..., D]`` values of ``dtype``."""
     dim = packed.shape[-1] - SCALE_WIDTH
-    scale = packed[..., dim:].contiguous().view(SCALE_DTYPE)
-    return packed[..., :dim].to(dtype) * scale.to(dtype)
+    return packed[..., :dim].to(dtype) * _scales(packed).to(dtype)
 
 
-_SCRATCH: dict[tuple, Tensor] = {}  # the float pools FlexAttention reads, one per shape (layers take turns)
+def dequantise_into(packed: Tensor, out: Tensor) -> Tensor:
+    """``dequantise(packed, out.dtype)`` written into ``out`` (``[..., D]``, as ``packed``'s values)
+    and returned: no new memory, which for a long context's keys costs more than the arithmetic
+    (fresh pages are faulted in on every call)."""
+    out.copy_(packed[..., : out.shape[-1]])
+    return out.mul_(_scales(packed).to(out.dtype))
 
 
-def dequantised_pool(pool: Tensor, slots: Tensor, dtype: torch.dtype, name: str) -> Tensor:
-    """A pool of ``dtype`` shaped as ``pool``'s values whose ``slots`` hold ``pool``'s dequantised
-    (its other slots hold whatever an earlier call left there: the caller's mask never reads them).
-    Kernels that take a pool in the query's dtype (FlexAttention) read it; one buffer per ``name``
-    and shape serves every layer in turn."""
+def _scales(packed: Tensor) -> Tensor:
+    return packed[..., packed.shape[-1] - SCALE_WIDTH :].contiguous().view(SCALE_DTYPE)
+
+
+_SCRATCH: dict[tuple, Tensor] = {}  # the dequantised pools kernels read, one per name and shape (layers take turns)
+
+
+def scratch_pool(pool: Tensor, dtype: torch.dtype, name: str) -> Tensor:
+    """A persistent pool of ``dtype`` shaped as ``pool``'s values, one per ``name`` (``"keys"``,
+    ``"values"``) and shape, that every layer's attention overwrites in turn: kernels read
+    dequantised pages from it without a pool-sized allocation each call."""
     key = (name, pool.shape[:-1], value_dim(pool), dtype, pool.device)
     scratch = _SCRATCH.get(key)
     if scratch is None:
@@ -81,5 +91,13 @@ def dequantised_pool(pool: Tensor, slots: Tensor, dtype: torch.dtype, name: str)
         with torch.inference_mode(False):  # a plain tensor: steps in and out of inference mode write it
             scratch = torch.zeros(*pool.shape[:-1], value_dim(pool), dtype=dtype, device=pool.device)
         _SCRATCH[key] = scratch
+    return scratch
+
+
+def dequantised_pool(pool: Tensor, slots: Tensor, dtype: torch.dtype, name: str) -> Tensor:
+    """``scratch_pool`` with ``pool``'s ``slots`` dequantised into the same slots (its other slots
+    hold whatever an earlier call left there: the caller's mask never reads them). FlexAttention,
+    whose pools are in the query's dtype, reads it."""
+    scratch = scratch_pool(pool, dtype, name)
     scratch[:, :, slots] = dequantise(pool[:, :, slots], dtype)
     return scratch

@@ -196,6 +196,7 @@ class ModelRunner:
         logits = self.model(**inputs).logits[0]
         seconds = time.perf_counter() - start
         self.graphs.learn(mask)  # the layers' attention variants, which a static step builds first
+        self.cache.learn_window(mask)  # all layers windowed: rows give back pages behind the window
         return logits, seconds
 
     def pick(self, logits: torch.Tensor, asks: list[tuple[Sequence, int, list[int]]]

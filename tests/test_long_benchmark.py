@@ -1,0 +1,53 @@
+"""The long-context benchmark: its filled contexts are real contexts, and its quick mode end to end (not timed)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+import flexpage
+from flexpage import zoo
+from flexpage.bench import long
+
+
+def test_a_filled_context_decodes_as_stock_over_the_same_kv():
+    """The benchmark writes a context's K/V straight into the pages: a decode step over them gives
+    stock's logits over a dynamic cache holding the same K/V, and the step is appended after them."""
+    stock = zoo.build("llama-tiny")
+    model = flexpage.wrap(zoo.build("llama-tiny"), max_cached_tokens=256, max_batch_size=1)
+    token = torch.tensor([[7]])
+    with torch.inference_mode():
+        expected = stock(input_ids=token, cache=long.fill_stock(stock, 100, seed=3)).logits
+        cache = long.fill_paged(model, 100, seed=3)
+        out = model(input_ids=token, cache=cache).logits
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    assert cache.seq_length(cache.batch_rows[0]) == 101
+
+
+def test_the_roofline_reads_a_quantised_pools_bytes_as_words():
+    cache = flexpage.PagedKVCache(num_layers=1, num_kv_heads=2, head_dim=64, page_size=16, num_pages=4,
+                                  max_batch_size=1, kv_dtype="int8")
+    pool = cache.layers[0].keys
+    words = long.pool_words([pool[:, :, :40]])
+    assert sum(w.numel() * w.element_size() for w in words) == 2 * 40 * (64 + 2)  # each head's 40 tokens, scales too
+    assert all(w.dtype == torch.float32 and w.untyped_storage().data_ptr() == pool.untyped_storage().data_ptr()
+               for w in words)  # views of the pool: the very bytes a step reads
+
+
+@pytest.mark.slow  # a benchmark
+def test_quick_long_benchmark(tmp_path):
+    long.main(["--quick", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "long.json").read_text())
+    summary = data["meta"]["summary"]
+    assert {(r["config"], r["length"]) for r in summary} == {
+        (c, n) for c in ("pages_auto", "pages_int8", "pages_fp8", "stock") for n in (64, 512)}
+    for row in summary:
+        assert math.isfinite(row["ms"]) and row["ms"] > 0 and row["roofline_ms"] > 0
+    per_token = {r["config"]: r["bytes_per_token"] for r in summary}
+    assert per_token["pages_int8"] == per_token["pages_fp8"] < per_token["pages_auto"] == per_token["stock"]
+    agreement = data["meta"]["agreement"]
+    assert {r["format"] for r in agreement} == {"int8", "fp8"} and all(0 <= r["agree"] <= 1 for r in agreement)
+    errors = (tmp_path / "long_attention_error.csv").read_text().splitlines()
+    assert len(errors) == 1 + 2 * zoo.load_config("llama-tiny").num_hidden_layers  # a row per format and layer
+    assert (tmp_path / "long.png").stat().st_size > 0
