@@ -39,14 +39,16 @@ def test_the_roofline_reads_a_quantised_pools_bytes_as_words():
 def test_quick_long_benchmark(tmp_path):
     long.main(["--quick", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "long.json").read_text())
-    summary = data["meta"]["summary"]
-    assert {(r["config"], r["length"]) for r in summary} == {
-        (c, n) for c in ("pages_auto", "pages_int8", "pages_fp8", "stock") for n in (64, 512)}
-    for row in summary:
+    summary = {(r["config"], r["length"]): r for r in data["meta"]["summary"]}
+    configs = ("pages_auto", "pages_int8", "pages_fp8", "window", "stock")
+    assert set(summary) == {(c, n) for c in configs for n in (64, 512)}
+    for row in summary.values():
         assert math.isfinite(row["ms"]) and row["ms"] > 0 and row["roofline_ms"] > 0
-    per_token = {r["config"]: r["bytes_per_token"] for r in summary}
-    assert per_token["pages_int8"] == per_token["pages_fp8"] < per_token["pages_auto"] == per_token["stock"]
-    agreement = data["meta"]["agreement"]
+    assert summary["pages_int8", 512]["kv_mb"] == summary["pages_fp8", 512]["kv_mb"] < summary["pages_auto", 512]["kv_mb"]
+    # mistral-tiny attends 32 positions back: at 512 its row holds its window's pages, not 512 tokens'
+    assert summary["window", 512]["kv_held_fraction"] < 0.25 and summary["pages_auto", 512]["kv_held_fraction"] == 1
+    assert summary["window", 64]["kv_held_fraction"] > summary["window", 512]["kv_held_fraction"]
+    agreement = json.loads((tmp_path / "long_agreement.json").read_text())["records"]
     assert {r["format"] for r in agreement} == {"int8", "fp8"} and all(0 <= r["agree"] <= 1 for r in agreement)
     errors = (tmp_path / "long_attention_error.csv").read_text().splitlines()
     assert len(errors) == 1 + 2 * zoo.load_config("llama-tiny").num_hidden_layers  # a row per format and layer

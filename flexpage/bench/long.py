@@ -6,9 +6,12 @@ Decode at context L: the sequence's first L tokens of K/V are written straight i
 prefill of 64k tokens takes this CPU many minutes), then ``--steps`` one-token forwards run
 through the model, each feeding the token the last one chose; ms per token is the median step.
 The roofline is the time of one bandwidth-bound reduction over the step's bytes in the same
-round: the weights and the L tokens' K/V as the format stores them. TTFT is a real prefill of L
-tokens, up to ``--prefill-max``. Stock runs the same steps over its dynamic cache. Every length is
-measured once per round, configurations in turn; each cell reports its median round.
+round: the weights and the K/V the sequence holds, as the format stores them. The ``window``
+configuration is a model whose every layer attends a sliding window (``--window-model``) over
+model-dtype pages: after its first step its row holds only the window's pages, and the cell
+records the fraction of K/V bytes it holds against keeping every page. TTFT is a real prefill of
+L tokens, up to ``--prefill-max``. Stock runs the same steps over its dynamic cache. Every length
+is measured once per round, configurations in turn; each cell reports its median round.
 
 Faithfulness, for each quantised format: the attention outputs of every layer during a prefill of
 L tokens against those over model-dtype pages (max and mean absolute error, and the mean relative
@@ -16,8 +19,9 @@ to the outputs' mean magnitude), and the greedy tokens of 256-token generations 
 models against model-dtype pages (the fraction of positions that agree; a divergence makes the
 rest of a generation disagree).
 
-    flexpage bench long                     # llama-small, 128..65536, model dtype / int8 / fp8, stock
-    flexpage bench long --quick             # llama-tiny, two lengths, a few steps (CI)
+    flexpage bench long                     # llama-small, 128..65536, model dtype / int8 / fp8, stock, mistral-small
+    flexpage bench long --parts decode      # the decode cells only (--parts faithfulness: the rest)
+    flexpage bench long --quick             # llama-tiny and mistral-tiny, two lengths, a few steps (CI)
 """
 
 from __future__ import annotations
@@ -84,8 +88,10 @@ def fill_stock(model: PreTrainedModel, context: int, seed: int) -> DynamicCache:
 
 def pool_words(pools: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each head's rows of each pool slice ``[1, heads, tokens, width]`` as float32 words: the same
-    bytes, in a dtype whose ``sum`` is a bandwidth-bound read (an int8 or float8 sum is not)."""
-    return [pool[0, h].reshape(-1).view(torch.float32) for pool in pools for h in range(pool.shape[1])]
+    bytes, in a dtype whose ``sum`` is a bandwidth-bound read (an int8 or float8 sum is not); up to
+    three trailing elements of each head are left out."""
+    rows = [pool[0, h].reshape(-1) for pool in pools for h in range(pool.shape[1])]
+    return [row[: row.numel() // 4 * 4].view(torch.float32) for row in rows]
 
 
 def roofline_ms(tensors: list[torch.Tensor]) -> float:
@@ -198,53 +204,38 @@ def plot(summary: list[dict], meta: dict, path: str) -> None:
     save_figure(fig, path)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    zoo.add_model_argument(parser)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048, 8192, 32768, 65536])
-    parser.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
-    parser.add_argument("--no-stock", action="store_true", help="leave out stock's dynamic cache")
-    parser.add_argument("--steps", type=int, default=8, help="decode steps timed per cell and round")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--prefill-max", type=int, default=8192, help="the longest context whose TTFT is measured")
-    parser.add_argument("--faith-models", nargs="*", default=["llama-small", "qwen3-small", "mistral-small",
-                                                              "gemma2-small"],
-                        help="zoo models whose greedy tokens are compared (the first: attention-output errors)")
-    parser.add_argument("--faith-lengths", type=int, nargs="+", default=[512, 2048, 8192])
-    parser.add_argument("--faith-tokens", type=int, default=256)
-    parser.add_argument("--faith-prompts", type=int, default=3)
-    add_run_arguments(parser, "llama-tiny, lengths 64 and 512, 4 steps, one round", "long", default="results/long")
-    args = parser.parse_args(argv)
-    args.model = zoo.chosen_model(args)
-    if args.quick:
-        args.lengths, args.steps, args.rounds, args.prefill_max = [64, 512], 4, 1, 512
-        args.faith_models, args.faith_lengths, args.faith_tokens, args.faith_prompts = [args.model], [64], 16, 1
+def decode_cells(args: argparse.Namespace) -> None:
+    """Batch-1 decode at each length for each configuration, in rounds; writes ``<name>.*``."""
     tokens = max(args.lengths) + args.steps + 64
     models = {f"pages_{f}": flexpage.wrap(zoo.load(args.model), kv_dtype=None if f == "auto" else f,
                                           max_cached_tokens=tokens, max_batch_size=1) for f in args.formats}
+    if args.window_model:  # every layer attends a window: the pages before it are given back
+        models["window"] = flexpage.wrap(zoo.load(args.window_model), max_cached_tokens=tokens, max_batch_size=1)
     stock = None if args.no_stock else zoo.load(args.model)
-    weights = weight_tensors(zoo.load(args.model))
-    weight_bytes = sum(t.numel() * t.element_size() for t in weights)
     configs = [*models, *([] if stock is None else ["stock"])]
     records = []
     with tqdm(total=args.rounds * len(args.lengths) * len(configs), desc="cells", unit="cell") as bar:
         for round_ in range(args.rounds):
             for length in args.lengths:
                 for config in configs:
-                    if config == "stock":
-                        cache = fill_stock(stock, length, seed=round_)
-                        kv = [t for layer in cache.layers for t in (layer.keys, layer.values)]
-                        model = stock
-                    else:
-                        model = models[config]
-                        cache = fill_paged(model, length, seed=round_)
-                        kv = [pool[:, :, :length] for layer in cache.layers for pool in (layer.keys, layer.values)]
-                    roof = roofline_ms(weights + (kv if config == "stock" else pool_words(kv)))
+                    model = stock if config == "stock" else models[config]
+                    cache = fill_stock(model, length, round_) if config == "stock" else fill_paged(model, length, round_)
                     times = decode_ms(model, cache, args.steps + 1, seed=round_)[1:]  # the first step warms
+                    if config == "stock":
+                        kv = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+                        every_page = sum(t.numel() * t.element_size() for t in kv)
+                    else:  # the pages the row holds now: from its first kept page (a window's) to its end
+                        start = cache.page_table.first_held[cache.batch_rows[0]] * cache.page_size
+                        end = cache.seq_length(cache.batch_rows[0])
+                        kv = [pool[:, :, start:end] for layer in cache.layers for pool in (layer.keys, layer.values)]
+                        every_page = end * cache.bytes_per_token
+                    weights = weight_tensors(model)
+                    roof = roofline_ms(weights + (kv if config == "stock" else pool_words(kv)))
                     kv_bytes = sum(t.numel() * t.element_size() for t in kv)
-                    record = {"config": config, "length": length, "round": round_, "ms": round(statistics.median(times), 3),
-                              "roofline_ms": round(roof, 3), "kv_bytes": kv_bytes, "weight_bytes": weight_bytes,
-                              "bytes_per_token": kv_bytes // length}
+                    record = {"config": config, "length": length, "round": round_,
+                              "ms": round(statistics.median(times), 3), "roofline_ms": round(roof, 3),
+                              "kv_bytes": kv_bytes, "weight_bytes": sum(t.numel() * t.element_size() for t in weights),
+                              "kv_bytes_every_page": every_page}
                     if config != "stock" and length <= args.prefill_max:
                         record["ttft_ms"] = round(ttft_ms(model, length, seed=round_), 1)
                     records.append(record)
@@ -257,24 +248,64 @@ def main(argv: list[str] | None = None) -> None:
             ms, roof = statistics.median(r["ms"] for r in runs), statistics.median(r["roofline_ms"] for r in runs)
             row = {"config": config, "length": length, "ms": round(ms, 3), "roofline_ms": round(roof, 3),
                    "x_roofline": round(ms / roof, 3), "kv_mb": round(runs[0]["kv_bytes"] / 1e6, 2),
-                   "bytes_per_token": runs[0]["bytes_per_token"]}
+                   "kv_held_fraction": round(runs[0]["kv_bytes"] / runs[0]["kv_bytes_every_page"], 4)}
             if "ttft_ms" in runs[0]:
                 row["ttft_ms"] = round(statistics.median(r["ttft_ms"] for r in runs), 1)
             summary.append(row)
-            print(f"L={length:6d} {config:<16} {row['ms']:9.2f} ms/token  roofline {roof:8.2f} ms  "
-                  f"x{row['x_roofline']:.2f}  {row['bytes_per_token']} B/token", flush=True)
-    del models, stock
+            print(f"L={length:6d} {config:<12} {row['ms']:9.2f} ms/token  roofline {roof:8.2f} ms  "
+                  f"x{row['x_roofline']:.2f}  K/V held {row['kv_mb']} MB ({row['kv_held_fraction']:.3f} of all)",
+                  flush=True)
+    meta = {"machine": machine_info(), "model": args.model, "window_model": args.window_model, "steps": args.steps,
+            "rounds": args.rounds, "command": " ".join(sys.argv), "summary": summary}
+    save_run(args, records, meta, plot)
+
+
+def faithfulness_cells(args: argparse.Namespace) -> None:
+    """Quantised pages against the model's dtype; writes ``<name>_agreement.*`` and ``<name>_attention_error.*``."""
     errors, agreement = faithfulness(args.faith_models, args.formats, args.faith_lengths, args.faith_tokens,
-                                     args.faith_prompts) if args.faith_models and len(args.formats) > 1 else ([], [])
+                                     args.faith_prompts)
     for f in dict.fromkeys(r["format"] for r in agreement):
         rows = [r for r in agreement if r["format"] == f]
         print(f"{f}: greedy agreement with model-dtype pages, median {statistics.median(r['agree'] for r in rows):.3f} "
               f"over {len(rows)} generations of {args.faith_tokens} tokens", flush=True)
-    meta = {"machine": machine_info(), "model": args.model, "steps": args.steps, "rounds": args.rounds,
-            "command": " ".join(sys.argv), "summary": summary, "agreement": agreement}
-    save_run(args, records, meta, plot)
-    if errors:
-        write_records(f"{out_dir(args)}/{args.name}_attention_error", errors, {"command": meta["command"]})
+    meta = {"machine": machine_info(), "models": args.faith_models, "tokens": args.faith_tokens,
+            "command": " ".join(sys.argv)}
+    write_records(f"{out_dir(args)}/{args.name}_agreement", agreement, meta)
+    write_records(f"{out_dir(args)}/{args.name}_attention_error", errors, meta)
+    print(f"wrote {out_dir(args)}/{args.name}_agreement.*, {args.name}_attention_error.*")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    zoo.add_model_argument(parser)
+    parser.add_argument("--parts", nargs="+", choices=["decode", "faithfulness"], default=["decode", "faithfulness"])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048, 8192, 32768, 65536])
+    parser.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
+    parser.add_argument("--window-model", default="mistral-small",
+                        help="a zoo model whose every layer attends a sliding window, decoded over model-dtype "
+                             "pages beside the others ('' leaves it out)")
+    parser.add_argument("--no-stock", action="store_true", help="leave out stock's dynamic cache")
+    parser.add_argument("--steps", type=int, default=8, help="decode steps timed per cell and round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prefill-max", type=int, default=8192, help="the longest context whose TTFT is measured")
+    parser.add_argument("--faith-models", nargs="+", default=["llama-small", "qwen3-small", "mistral-small",
+                                                              "gemma2-small"],
+                        help="zoo models whose greedy tokens are compared (the first: attention-output errors)")
+    parser.add_argument("--faith-lengths", type=int, nargs="+", default=[512, 2048, 8192])
+    parser.add_argument("--faith-tokens", type=int, default=256)
+    parser.add_argument("--faith-prompts", type=int, default=3)
+    add_run_arguments(parser, "llama-tiny (and mistral-tiny), lengths 64 and 512, 4 steps, one round", "long",
+                      default="results/long")
+    args = parser.parse_args(argv)
+    args.model = zoo.chosen_model(args)
+    if args.quick:
+        args.lengths, args.steps, args.rounds, args.prefill_max = [64, 512], 4, 1, 512
+        args.window_model = args.window_model and "mistral-tiny"
+        args.faith_models, args.faith_lengths, args.faith_tokens, args.faith_prompts = [args.model], [64], 16, 1
+    if "decode" in args.parts:
+        decode_cells(args)
+    if "faithfulness" in args.parts and len(args.formats) > 1:
+        faithfulness_cells(args)
 
 
 if __name__ == "__main__":
