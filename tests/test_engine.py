@@ -215,7 +215,24 @@ def test_attention_variants_match_stock(arch):
     stock = zoo.build(f"{arch}-tiny")
     prompts, news = workload((40, 130, 9, 75)), [20, 12, 25, 16]
     expected = [stock_greedy(stock, p, n) for p, n in zip(prompts, news)]
-    assert make_engine(arch).generate(prompts, max_new_tokens=news) == expected
+    engine = make_engine(arch)
+    assert engine.generate(prompts, max_new_tokens=news) == expected
+    # every Mistral layer attends 32 positions back: rows give back older pages; Gemma 2's global layers keep all
+    assert engine.cache.page_table.window == (32 if arch == "mistral" else None)
+
+
+def test_a_windowed_model_holds_its_windows_pages_only_and_verifies_drafts_within_them():
+    """Mistral-shaped (every layer windowed): four sequences that would need 32 pages of a pool of
+    24 run without preemption, speculating (rejected drafts roll back inside the window)."""
+    stock = zoo.build("mistral-tiny")
+    prompts, news = workload((40, 130, 9, 75)), [60, 40, 80, 50]
+    expected = [stock_greedy(stock, p, n) for p, n in zip(prompts, news)]
+    engine = make_engine("mistral", max_cached_tokens=384, speculative="ngram", num_speculative_tokens=3,
+                         compile_decode=False)
+    assert engine.generate(prompts, max_new_tokens=news) == expected
+    stats = engine.stats()
+    assert stats.preemptions == 0 and stats.drafted_tokens > 0 and stats.peak_pages_used <= 24
+    assert engine.cache.stats().pages_used == 0
 
 
 def test_stream_yields_each_token_as_produced(expected):

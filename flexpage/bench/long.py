@@ -194,7 +194,7 @@ def plot(summary: list[dict], meta: dict, path: str) -> None:
     axes[0].set(xscale="log", yscale="log", xlabel="context tokens", ylabel="ms per token (median)",
                 title="batch-1 decode (dashed: each one's roofline)")
     axes[1].set(xscale="log", yscale="log", xlabel="context tokens", ylabel="MB",
-                title="K/V bytes a step reads (all layers)")
+                title="K/V the sequence holds (all layers)")
     axes[2].axhline(1.0, color="black", lw=0.8)
     axes[2].set(xscale="log", xlabel="context tokens", ylabel="decode time / roofline", title="distance to the roofline")
     for ax in axes:
