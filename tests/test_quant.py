@@ -90,10 +90,12 @@ def test_wrapped_generate_over_quantised_pages_matches_stock_over_rounded_kv(arc
         assert flexpage.paged_state(model).steps.steps > 0  # decode ran as the compiled static step
 
 
-def test_engine_over_int8_pages_matches_stock_with_prefix_caching_and_preemption(stock_llama):
+def test_engine_over_int8_pages_matches_stock_with_prefix_caching_preemption_and_drafts(stock_llama):
     """A pool too small for the workload (preemption recomputes into quantised pages), then prompts
-    that share a prefix (served from quantised prefix pages): stock's tokens over rounded K/V."""
-    engine = make_engine(kv_dtype="int8", max_cached_tokens=384, compile_decode=False)
+    that share a prefix (served from quantised prefix pages), speculating all along (rejected drafts
+    rolled back): stock's tokens over rounded K/V."""
+    engine = make_engine(kv_dtype="int8", max_cached_tokens=384, compile_decode=False, speculative="ngram",
+                         num_speculative_tokens=3)
     prompts = workload()
     assert engine.generate(prompts, max_new_tokens=list(NEW_TOKENS)) == stock_rounded(
         stock_llama, prompts, NEW_TOKENS, torch.int8)
@@ -101,5 +103,5 @@ def test_engine_over_int8_pages_matches_stock_with_prefix_caching_and_preemption
     shared = workload((64,), seed=3)[0]
     forks = [shared + tail for tail in workload((5, 9), seed=4)]
     assert engine.generate(forks, max_new_tokens=[10, 10]) == stock_rounded(stock_llama, forks, [10, 10], torch.int8)
-    assert engine.stats().prefix_hit_tokens >= 64
+    assert engine.stats().prefix_hit_tokens >= 64 and engine.stats().drafted_tokens > 0
     assert engine.cache.stats().pages_used == 0

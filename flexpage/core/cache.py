@@ -104,6 +104,8 @@ class PagedKVCache(Cache):
     Every layer's pool has the same fixed shape for the cache's lifetime, so compiled
     attention over it never recompiles as sequences grow. A step is ``begin_step`` (reserve
     pages, compute slots) followed by one ``update`` per layer (write K/V, get the pools).
+    ``kv_dtype`` stores the pages in ``dtype`` (None) or quantised, ``"int8"`` or
+    ``"float8_e4m3fn"`` (``flexpage.core.quant``: a scale per token and KV head beside the values).
     """
 
     def __init__(
