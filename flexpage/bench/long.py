@@ -66,8 +66,7 @@ def fill_paged(model: PreTrainedModel, context: int, seed: int) -> flexpage.Page
     cache.reset()
     row = cache.add_sequence()
     cache.reserve([row], [context])
-    slots = (torch.tensor(cache.page_table.pages_of(row))[:, None] * cache.page_size
-             + torch.arange(cache.page_size)).view(1, -1)[:, :context]
+    slots = cache.page_table.slots_of(cache.page_table.pages_of(row))[None, :context]
     generator = torch.Generator().manual_seed(seed)
     for start in range(0, context, FILL_CHUNK):
         end = min(context, start + FILL_CHUNK)

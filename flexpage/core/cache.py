@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -11,8 +11,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from . import memory
 from .quant import dequantise, is_quantised, kv_storage_dtype, pool_width, quantise
 from .pages import PackedPlan, PageTable, StepPlan, check_packed_layout
-from .masks import PackedBlockMask
 from .step_shape import StepShape
+
+if TYPE_CHECKING:
+    from .masks import PackedBlockMask
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -194,8 +196,10 @@ class PagedKVCache(Cache):
     def learn_window(self, mask: PackedBlockMask) -> None:
         """After a forward through ``mask``: if every layer attended through a sliding window, rows
         give back their pages before the widest window from now on (``PageTable.window``)."""
+        if self.page_table.window is not None:
+            return
         windows = mask.windows()
-        if self.page_table.window is None and windows and None not in windows:
+        if windows and None not in windows:
             self.page_table.window = max(windows)
 
     def reserve(self, rows: Sequence[int], new_tokens: Sequence[int]) -> None:
@@ -341,10 +345,8 @@ class PagedKVCache(Cache):
         (dequantised from quantised pages), for tests and export."""
         if self.page_table.first_held[row]:
             raise ValueError(f"row {row} gave back the pages before its sliding window: its K/V are not all held")
-        pages = torch.tensor(self.page_table.pages_of(row), dtype=torch.int64)
-        slots = (pages[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
-        slots = slots[: self.seq_length(row)].to(self.layers[layer_idx].device)
         layer = self.layers[layer_idx]
+        slots = self.page_table.slots_of(self.page_table.pages_of(row))[: self.seq_length(row)].to(layer.device)
         if self.kv_dtype == self.dtype:
             return layer.keys[0, :, slots], layer.values[0, :, slots]
         return dequantise(layer.keys[0, :, slots], self.dtype), dequantise(layer.values[0, :, slots], self.dtype)

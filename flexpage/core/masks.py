@@ -221,7 +221,7 @@ class SequenceKV:
         earlier = length - first - queries if causal else 0
         if pages == list(range(pages[0], pages[0] + len(pages))):
             return cls(length - first, pages[0] * page + first % page, None, allowed, causal, earlier)
-        slots = (torch.tensor(pages)[:, None] * page + torch.arange(page)).view(-1)[first % page :][: length - first]
+        slots = page_table.slots_of(pages)[first % page :][: length - first]
         return cls(length - first, None, slots.to(page_table.device), allowed, causal, earlier)
 
 
@@ -429,9 +429,9 @@ class PackedBlockMask(_StepMask):
     def read_slots(self) -> Tensor:
         """Every pool slot of the pages this step's rows hold (where its attention may read)."""
         def slots() -> Tensor:
-            table, page = self.page_table, self.page_table.page_size
+            table = self.page_table
             pages = sorted({p for row in self.read_rows() for p in table.seq_pages[row][table.first_held[row] :]})
-            return (torch.tensor(pages, dtype=torch.int64)[:, None] * page + torch.arange(page)).view(-1).to(table.device)
+            return table.slots_of(pages).to(table.device)
         return self._variant(("read_slots",), slots)
 
     def chunk_kvs(self, window: int | None = None) -> list[SequenceKV]:

@@ -184,6 +184,10 @@ class PageTable:
     def pages_of(self, row: int) -> list[int]:
         return list(self._pages(row))
 
+    def slots_of(self, pages: Sequence[int]) -> torch.Tensor:
+        """Every pool slot of ``pages``, page by page (int64, on the host)."""
+        return (torch.tensor(pages, dtype=torch.int64)[:, None] * self.page_size + torch.arange(self.page_size)).view(-1)
+
     def pages_needed(self, row: int, num_tokens: int) -> int:
         """New pages (fresh + copy-on-write) that ``extend(row, num_tokens)`` would take."""
         pages, length = self._pages(row), self.seq_lens[row]
