@@ -119,7 +119,9 @@ def test_grouped_decode_rows_list_their_own_pages():
 def test_static_decode_step_rewrites_its_tensors_in_place_and_attends_like_the_reference(group):
     """A compiled bucket's step inputs (``PageTable.static_plan`` + ``StaticDecodeMask``) serve
     successive decode steps of different rows and lengths: each step's attention equals the
-    reference over each row's contiguous K/V, for every layer variant, and no tensor moves."""
+    reference over each row's contiguous K/V, for every layer variant, and no tensor moves. A row
+    listed ``m`` times feeds its last ``m`` tokens, each attending causally (a speculating sequence
+    verifying drafts): beside other rows (FlexAttention) or alone (SDPA over its pages)."""
     torch.manual_seed(group)
     cache = make_cache(PAGE, 64, HKV, D, max_batch_size=8, seed=group)
     rows = [cache.add_sequence() for _ in range(5)]
@@ -132,21 +134,27 @@ def test_static_decode_step_rewrites_its_tensors_in_place_and_attends_like_the_r
     plan = cache.page_table.static_plan(DECODE_LEN)
     mask = masks.StaticDecodeMask.over(cache.page_table, plan, variants, group)
     addresses = [t.data_ptr() for t in mask.tensors()]
-    for step in ([rows[0], rows[1], rows[3]], [rows[4], rows[2], rows[1], rows[0]], [rows[3]]):
-        assert cache.begin_packed_step(step, [], DECODE_LEN, 0, 1, pad_decode=True, into=plan) is plan
+    steps = ([rows[0], rows[1], rows[3]], [rows[4], rows[2], rows[1], rows[0]], [rows[3]],
+             [rows[1], rows[3], rows[3], rows[3]], [rows[2], rows[2], rows[2]])
+    for step in steps:
+        cache.reserve(list(dict.fromkeys(step)), [step.count(row) for row in dict.fromkeys(step)])
+        assert cache.begin_packed_step(step, [], DECODE_LEN, 0, 1, pad_decode=True, into=plan, reserved=True) is plan
         mask.refresh(step)
         new_k, new_v = torch.randn(1, HKV, DECODE_LEN, D), torch.randn(1, HKV, DECODE_LEN, D)
         k_pool, v_pool = cache.update(new_k, new_v, 0)
         query = torch.randn(1, HQ, DECODE_LEN, D)
+        positions = []
         for i, row in enumerate(step):
+            positions.append(keys[row].shape[1])
             keys[row] = torch.cat([keys[row], new_k[0, :, i : i + 1]], 1)
             values[row] = torch.cat([values[row], new_v[0, :, i : i + 1]], 1)
+        assert plan.tok_pos[: len(step)].tolist() == positions
         for window, cap in variants:
             out = flexpage.packed_attention(query, k_pool, v_pool, mask, window=window, cap=cap)
             mask_mod = None if window is None else mods.sliding_window(window)
             score_mod = None if cap is None else mods.softcap(cap)
             for i, row in enumerate(step):
-                q_pos = torch.tensor([keys[row].shape[1] - 1])
+                q_pos = torch.tensor([positions[i]])
                 ref = reference_attention(query[0][:, i : i + 1], keys[row], values[row], q_pos, 0, mask_mod, score_mod)
                 torch.testing.assert_close(out[0][:, i : i + 1].double(), ref, atol=1e-5, rtol=1e-5)
         assert [t.data_ptr() for t in mask.tensors()] == addresses

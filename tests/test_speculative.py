@@ -73,24 +73,41 @@ def test_speculation_under_preemption_and_prefix_hits_keeps_stock_tokens(stock_l
     assert engine.stats().prefix_hit_tokens > 0
 
 
-@pytest.mark.parametrize("alpha", [1.0, 0.0])
-def test_a_proposer_right_or_wrong_changes_no_token(expected, alpha):
-    """An oracle proposing the model's own next tokens is always accepted (k + 1 tokens per
-    forward); one always wrong is never, and both give the stock tokens."""
+def oracle_of(expected, right: bool):
+    """A proposer drafting each looping prompt's stock continuation, or always the wrong tokens."""
     known = {tuple(p): p + e for p, e in zip(looping_prompts(), expected)}
 
     def oracle(tokens, k):
         full = next(v for key, v in known.items() if list(key) == list(tokens[: len(key)]))
-        right = full[len(tokens) : len(tokens) + k]
-        return right if alpha == 1.0 else [(t + 1) % 256 for t in right]
+        drafts = full[len(tokens) : len(tokens) + k]
+        return drafts if right else [(t + 1) % 256 for t in drafts]
 
-    engine = make_engine(speculative=oracle, num_speculative_tokens=4)
+    return oracle
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.0])
+def test_a_proposer_right_or_wrong_changes_no_token(expected, alpha):
+    """An oracle proposing the model's own next tokens is always accepted (k + 1 tokens per
+    forward); one always wrong is never, and both give the stock tokens."""
+    engine = make_engine(speculative=oracle_of(expected, alpha == 1.0), num_speculative_tokens=4)
     assert engine.generate(looping_prompts(), max_new_tokens=list(NEW_TOKENS)) == expected
     stats = engine.stats()
     assert stats.drafted_tokens > 0
     assert stats.acceptance_rate == alpha
     if alpha == 1.0:
         assert stats.steps < sum(NEW_TOKENS) // 3
+
+
+@pytest.mark.parametrize("requests", [1, 2])
+def test_verification_steps_run_as_compiled_decode_steps(expected, requests):
+    """After the prompts' step, every step verifying drafts runs its bucket's compiled static step
+    (each fed token a decode row; one sequence's attended by SDPA over its pages, two sequences'
+    by FlexAttention), with stock's tokens."""
+    engine = make_engine(speculative=oracle_of(expected, True), num_speculative_tokens=3)
+    prompts, counts = looping_prompts()[2 : 2 + requests], list(NEW_TOKENS[2 : 2 + requests])
+    assert engine.generate(prompts, max_new_tokens=counts) == expected[2 : 2 + requests]
+    stats = engine.stats()
+    assert stats.verifications >= stats.steps - 1 > 1 and stats.compiled_steps == stats.steps - 1
 
 
 def test_sampled_speculation_draws_what_the_plain_engine_draws():

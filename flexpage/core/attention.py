@@ -220,8 +220,12 @@ def packed_attention(
         )
     outputs = []
     decoded = plan.decode_tokens  # the decode region's positions (all decode_len rows in a compiled step)
-    if plan.decode_len == decoded == 1 and sdpa_over_pages(query.device, cap, 1):
-        outputs.append(sequence_attention(query[:, :, :1], key_pool, value_pool, block_mask.decode_kv(window), scale))
+    if decoded and block_mask.lone_decode_row() and sdpa_over_pages(query.device, cap, 1):
+        # one sequence's decode token(s): one SDPA call over its pages; padding rows keep zeros (never read)
+        kv = block_mask.decode_kv(window)
+        fed = len(block_mask.fed_decode_rows())
+        out = sequence_attention(query[:, :, :fed], key_pool, value_pool, kv, scale)
+        outputs.append(out if fed == decoded else F.pad(out, (0, 0, 0, decoded - fed)))
     elif decoded:  # a batch of one-token rows: [1, H, n, D] -> [decode_len, H, 1, D] -> [1, H, n, D]
         group = query_group(query, key_pool) if block_mask.group is None else block_mask.group
         mask, score_mod = block_mask.decode_region(window, cap, group)

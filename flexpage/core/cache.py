@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -182,12 +183,14 @@ class PagedKVCache(Cache):
     ) -> PackedPlan:
         """Reserve room for a ragged step (``reserve``; not if its tokens are ``reserved`` already, as
         the Engine's are when it schedules them) and plan it: each of ``decode_rows`` feeds its last
-        token, each ``(row, num_tokens)`` prefill chunk its last ``num_tokens``, packed as
+        token (a row listed ``m`` times its last ``m``), each ``(row, num_tokens)`` prefill chunk its
+        last ``num_tokens``, packed as
         ``PageTable.plan_packed`` describes (``into``: rewriting a static plan's tensors). All or
         nothing, as ``begin_step``."""
         check_packed_layout(len(decode_rows), [n for _, n in chunks], decode_len, chunk_len, chunk_block)
         if not reserved:
-            self.reserve([*decode_rows, *(row for row, _ in chunks)], [1] * len(decode_rows) + [n for _, n in chunks])
+            fed = Counter(decode_rows)
+            self.reserve([*fed, *(row for row, _ in chunks)], [*fed.values(), *(n for _, n in chunks)])
         self.step = self.page_table.plan_packed(decode_rows, chunks, decode_len, chunk_len, chunk_block, pad_decode,
                                                 into)
         self._written = set()

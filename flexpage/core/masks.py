@@ -417,14 +417,24 @@ class PackedBlockMask(_StepMask):
             self.decode_region(window, cap)
         return self
 
+    def fed_decode_rows(self) -> tuple[int, ...]:
+        """The page-table row of each real decode token (a row repeats for each of its last tokens fed)."""
+        return self.plan.decode_rows
+
+    def lone_decode_row(self) -> bool:
+        """Whether the decode region is one sequence's, unpadded: a lone decode token."""
+        return self.plan.decode_len == self.plan.decode_tokens == 1
+
     def decode_kv(self, window: int | None = None) -> SequenceKV:
-        """Where the lone decode token's keys live, for SDPA over its pages (``SequenceKV``)."""
-        (row,) = self.plan.decode_rows
-        return self._variant(("decode_kv", window), lambda: SequenceKV.for_row(self.page_table, row, window))
+        """Where the keys of a lone sequence's decode tokens live (``lone_decode_row``), for one
+        SDPA call over its pages (``SequenceKV``: its fed tokens attend causally)."""
+        rows = self.fed_decode_rows()
+        return self._variant(("decode_kv", window),
+                             lambda: SequenceKV.for_row(self.page_table, rows[0], window, len(rows)))
 
     def read_rows(self) -> tuple[int, ...]:
         """The page-table rows whose keys this step reads: its decode rows, then its chunks'."""
-        return (*self.plan.decode_rows, *(row for row, _ in self.plan.chunks))
+        return (*self.fed_decode_rows(), *(row for row, _ in self.plan.chunks))
 
     def read_slots(self) -> Tensor:
         """Every pool slot of the pages this step's rows hold (where its attention may read)."""
@@ -469,13 +479,14 @@ class StaticDecodeMask(PackedBlockMask):
         _STATIC[plan.tok_pos.data_ptr()] = mask
         return mask
 
-    def decode_kv(self, window: int | None = None) -> SequenceKV:
-        """Where the step's lone decode row's keys live (its rows are ``refresh``'s, not the plan's)."""
-        (row,) = self.rows
-        return self._variant(("decode_kv", window), lambda: SequenceKV.for_row(self.page_table, row, window))
+    def fed_decode_rows(self) -> tuple[int, ...]:
+        return self.rows  # ``refresh``'s: the static plan holds its rows in tensors only
 
-    def read_rows(self) -> tuple[int, ...]:
-        return self.rows
+    def lone_decode_row(self) -> bool:
+        """Whether every fed decode token is one sequence's: a lone decode token, or a speculating
+        sequence's last token and drafts fed as decode rows (``PageTable.plan_packed``)."""
+        rows = self.rows
+        return bool(rows) and rows.count(rows[0]) == len(rows)
 
     def tensors(self) -> list[Tensor]:
         """Every tensor of the mask that ``refresh`` rewrites: the decode rows' and each variant's

@@ -8,7 +8,7 @@ tensors that are updated in place, so compiled code that reads them never change
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -91,6 +91,19 @@ def check_packed_layout(
     needed = sum(cdiv(n, chunk_block) * chunk_block for n in chunk_tokens)
     if needed > chunk_len:
         raise ValueError(f"prefill chunks need {needed} block-aligned positions, the chunk region has {chunk_len}")
+
+
+def _decode_positions(decode_rows: Sequence[int], lens: Sequence[int]) -> list[int]:
+    """The logical position each decode row feeds: its row's last token, or, for a row listed ``m``
+    times, its last ``m`` tokens in order."""
+    if len(set(decode_rows)) == len(decode_rows):
+        return [lens[row] - 1 for row in decode_rows]
+    left = Counter(decode_rows)
+    positions = []
+    for row in decode_rows:
+        positions.append(lens[row] - left[row])
+        left[row] -= 1
+    return positions
 
 
 class PageTable:
@@ -431,8 +444,9 @@ class PageTable:
         """Describe a ragged step whose tokens were just added by ``extend``, in a layout the caller
         checked with ``check_packed_layout`` before extending (``PagedKVCache.begin_packed_step``).
 
-        ``decode_rows`` each feed their last token; ``chunks`` are ``(row, num_tokens)`` prefill
-        chunks ending at the row's last token. The decode tokens are attended as ``decode_len``
+        ``decode_rows`` each feed their last token (a row listed ``m`` times feeds its last ``m``, in
+        order: a speculating row's verified tokens as decode rows); ``chunks`` are ``(row,
+        num_tokens)`` prefill chunks ending at the row's last token. The decode tokens are attended as ``decode_len``
         one-token rows, the chunk region is ``chunk_len`` positions (both bucketed by the caller,
         so compiled shapes repeat); with ``pad_decode`` the packed row holds all ``decode_len``
         decode positions, the padding ones written to the sink page. ``into``: a ``static_plan`` of
@@ -442,7 +456,7 @@ class PageTable:
         q_len, lens = decode_tokens + chunk_len, self.seq_lens
         rows, positions = [0] * q_len, [-1] * q_len
         rows[: len(decode_rows)] = decode_rows
-        positions[: len(decode_rows)] = [lens[row] - 1 for row in decode_rows]
+        positions[: len(decode_rows)] = _decode_positions(decode_rows, lens)
         at = decode_tokens
         for row, n in chunks:
             end = lens[row]

@@ -6,8 +6,9 @@ tokens: penalties and bias, what a request's grammar allows, greedy or sampled (
 with its own generator), logprobs, a request whose pick fails failing alone. It owns the step
 shapes: attention's region sizes are bucketed (powers of two), so a few compiled attention graphs
 serve every mix of lengths, all compiled by ``warmup()``; an eager step's linear layers see each
-decode token once (17 decode tokens are 17 rows, not a bucket of 32). A decode-only step of a
-compiled bucket runs as its static step (``core.static_step``).
+decode token once (17 decode tokens are 17 rows, not a bucket of 32). A step of decode and
+verification only runs as the static step of its compiled bucket (``core.static_step``), a
+speculating sequence's fed tokens as decode rows of one page-table row.
 """
 
 from __future__ import annotations
@@ -146,19 +147,19 @@ class ModelRunner:
 
     def _forward(self, batch: Batch) -> tuple[torch.Tensor, list[tuple[int, Sequence]], list[int], int, int, float]:
         """One forward over the batch, packed: the decode tokens, then each prefill chunk (aligned to
-        the chunk block), then each speculating sequence's last token and drafts; a decode-only step
-        of a compiled bucket is its static step. Raises whatever the forward raised. Returns the logits kept, each sampling sequence
-        after its row of them, each speculating sequence's first row, the regions' sizes and the
-        seconds the model took."""
+        the chunk block), then each speculating sequence's last token and drafts; a step without
+        chunks whose tokens fit a compiled bucket is its static step (``_static``). Raises whatever
+        the forward raised. Returns the logits kept, each sampling sequence after its row of them,
+        each speculating sequence's first row, the regions' sizes and the seconds the model took."""
+        if not batch.chunks:  # decode and verification only: its compiled bucket's static step, if it has one
+            static = self._static(batch)
+            if static is not None:
+                return static
+        ids = [seq.tokens[-1] for seq in batch.decode]
         decode_len, block = self.shape.decode_len(len(batch.decode)), self.shape.chunk_block
         # speculating sequences are chunks of the chunk region: their last token and their drafts
         chunks = batch.chunks + [(seq, 1 + len(seq.drafts)) for seq in batch.verify]
         chunk_len = self.shape.chunk_len(n for _, n in chunks)
-        ids = [seq.tokens[-1] for seq in batch.decode]
-        if not chunks and self.graphs.ready(decode_len):
-            logits, seconds = self.graphs.run([seq.row for seq in batch.decode], ids, decode_len)
-            self.compiled_steps += 1
-            return logits[: len(ids)], list(enumerate(batch.decode)), [], decode_len, 0, seconds
         plan = self.cache.begin_packed_step(
             [s.row for s in batch.decode], [(s.row, n) for s, n in chunks], decode_len, chunk_len, block, reserved=True)
         keep, sampled = list(range(len(batch.decode))), list(batch.decode)  # positions whose logits pick a token
@@ -177,6 +178,25 @@ class ModelRunner:
         ids += [0] * (plan.q_len - len(ids))
         logits, seconds = self._logits(ids, plan, keep)
         return logits, list(enumerate(sampled)), verify_rows, decode_len, chunk_len, seconds
+
+    def _static(self, batch: Batch) -> tuple[torch.Tensor, list[tuple[int, Sequence]], list[int], int, int, float] | None:
+        """A step without prefill chunks as the static step of the bucket its fed tokens fit, if that
+        bucket is compiled (else None): each decode sequence one row, each speculating sequence a row
+        per fed token (its last token, then its drafts: ``PageTable.plan_packed`` gives the same
+        row its successive positions), so verifying drafts costs a compiled decode step of more rows.
+        Returns as ``_forward``."""
+        fed = len(batch.decode) + sum(1 + len(seq.drafts) for seq in batch.verify)
+        decode_len = self.shape.decode_len(fed)
+        if not self.graphs.ready(decode_len):
+            return None
+        ids, rows, verify_rows = [seq.tokens[-1] for seq in batch.decode], [seq.row for seq in batch.decode], []
+        for seq in batch.verify:
+            verify_rows.append(len(rows))
+            rows += [seq.row] * (1 + len(seq.drafts))
+            ids += [seq.tokens[-1], *seq.drafts]
+        logits, seconds = self.graphs.run(rows, ids, decode_len)
+        self.compiled_steps += 1
+        return logits[: len(ids)], list(enumerate(batch.decode)), verify_rows, decode_len, 0, seconds
 
     def _logits(self, ids: list[int], plan: PackedPlan, keep: list[int]) -> tuple[torch.Tensor, float]:
         """One eager forward over a packed step: the logits of the ``keep`` positions, and the
