@@ -3,6 +3,8 @@ query row, against per-sequence reference attention on contiguous K/V."""
 
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -85,6 +87,32 @@ def test_a_lone_sequence_region_is_attended_over_its_pages_without_block_metadat
         _, _, mask = _ragged_step(decode_ctx, chunks, window, None, seed=4, decode_len=len(decode_ctx),
                                   chunk_len=CHUNK_LEN if chunks else 0)
         assert not any(key[0] in ("decode", "chunk") for key in mask._variants)  # no FlexAttention region built
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+@pytest.mark.parametrize("window", [None, 2050])
+def test_a_decode_token_attends_a_few_long_runs_of_pages_where_they_lie(kv_dtype, window):
+    """A lone decode token whose keys lie in two long runs of consecutive pages (its first tokens,
+    then pages after another sequence's) attends them run by run, nothing gathered, equal to the
+    reference over contiguous K/V."""
+    cache = make_cache(PAGE, 160, HKV, D, kv_dtype=kv_dtype)
+    cache.page_table.free_pages = deque(range(160))  # pages handed out in order
+    a, b = cache.add_sequence(), cache.add_sequence()
+    keys, values = torch.randn(HKV, 2100, D), torch.randn(HKV, 2100, D)
+    for row, start, end in ((a, 0, 1200), (b, 0, 50), (a, 1200, 2099)):
+        cache.begin_step([row], [end - start])
+        cache.update(keys[None, :, start:end], values[None, :, start:end], 0)
+    plan = cache.begin_packed_step([a], [], 1, 0)
+    k_pool, v_pool = cache.update(keys[None, :, 2099:], values[None, :, 2099:], 0)
+    mask = masks.PackedBlockMask.for_step(cache.page_table, plan)
+    query = torch.randn(1, HQ, 1, D)
+    out = flexpage.packed_attention(query, k_pool, v_pool, mask, window=window)
+    kv = mask.decode_kv(window)
+    assert kv.slots is None and kv.start is None and len(kv.runs) == 2
+    k, v = (keys, values) if kv_dtype is None else (rounded(keys, kv_dtype), rounded(values, kv_dtype))
+    mask_mod = None if window is None else mods.sliding_window(window)
+    ref = reference_attention(query[0], k, v, torch.tensor([2099]), 0, mask_mod)
+    torch.testing.assert_close(out[0].double(), ref, atol=1e-5, rtol=1e-5)
 
 
 def test_layout_that_does_not_fit_leaves_cache_unchanged():

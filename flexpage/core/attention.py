@@ -131,6 +131,8 @@ def sequence_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, kv: 
     gathered first; quantised keys are dequantised into a scratch pool (``quant.scratch_pool``). See
     ``sdpa_over_pages`` for when this is the kernel.
     """
+    if kv.runs:
+        return _runs_attention(query, key_pool, value_pool, kv, scale)
     if kv.start is not None:
         keys = key_pool[:, :, kv.start : kv.start + kv.width]
         values = value_pool[:, :, kv.start : kv.start + kv.width]
@@ -150,6 +152,39 @@ def sequence_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, kv: 
         allowed, causal = causal_after(n, kv.earlier, query.device), False
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed, is_causal=causal, scale=scale,
                                           enable_gqa=heads != keys.shape[1])
+
+
+def _runs_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, kv: SequenceKV,
+                    scale: float | None) -> Tensor:
+    """A decode token (``[1, Hq, 1, D]``) over keys in ``kv.runs`` of consecutive slots: one flash call
+    per run (heads folded) merged by log-sum-exps; quantised runs are dequantised one after another
+    into a scratch pool and attended in one call. Nothing is gathered. CPU only (the CPU kernel)."""
+    batch, heads, _, _ = query.shape
+    folded = _heads_folded(query, key_pool.shape[1])
+    if is_quantised(key_pool):
+        keys = scratch_pool(key_pool, query.dtype, "keys")[:, :, : kv.width]
+        values = scratch_pool(value_pool, query.dtype, "values")[:, :, : kv.width]
+        at = 0
+        for start, n in kv.runs:
+            dequantise_into(key_pool[:, :, start : start + n], keys[:, :, at : at + n])
+            dequantise_into(value_pool[:, :, start : start + n], values[:, :, at : at + n])
+            at += n
+        out = F.scaled_dot_product_attention(folded, keys, values, scale=scale)
+        return out.reshape(batch, heads, 1, out.shape[-1])
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out = lse = None
+    for start, n in kv.runs:
+        part, part_lse = flash(folded, key_pool[:, :, start : start + n], value_pool[:, :, start : start + n],
+                               scale=scale)
+        out, lse = (part, part_lse) if out is None else _merged(out, lse, part, part_lse)
+    return out.reshape(batch, heads, 1, out.shape[-1])
+
+
+def _merged(out: Tensor, lse: Tensor, part: Tensor, part_lse: Tensor) -> tuple[Tensor, Tensor]:
+    """Attention over two sets of keys from each one's output and log-sum-exp (``[B, H, n]``): each
+    output weighed by its share of the exponentials; and the log-sum-exp over both."""
+    weight = torch.sigmoid(part_lse - lse)[..., None].to(out.dtype)
+    return torch.lerp(out, part, weight), torch.logaddexp(lse, part_lse)
 
 
 def _heads_folded(query: Tensor, kv_heads: int) -> Tensor:
@@ -183,9 +218,7 @@ def _chunk_after_earlier_keys(query: Tensor, keys: Tensor, values: Tensor, earli
     if group > 1:
         own_keys, own_values = own_keys.repeat_interleave(group, 1), own_values.repeat_interleave(group, 1)
     own, own_lse = flash(query, own_keys, own_values, is_causal=True, scale=scale)
-    early = early.reshape(batch, heads, n, -1)
-    weight = torch.sigmoid(early_lse.reshape(batch, heads, n) - own_lse)[..., None].to(own.dtype)
-    return torch.lerp(own, early, weight)
+    return _merged(own, own_lse, early.reshape(batch, heads, n, -1), early_lse.reshape(batch, heads, n))[0]
 
 
 def packed_attention(

@@ -29,6 +29,9 @@ from .policy import device_policy
 
 
 Q_BLOCK_SIZE = 128
+# a lone decode token attends its keys run by run (``SequenceKV.runs``) where the runs of consecutive
+# slots average at least this many keys: then the calls cost less than gathering the keys
+RUN_TOKENS = 1024
 
 
 # ---------------------------------------------------------------------------- remapping
@@ -193,8 +196,10 @@ class _StepMask(BlockMask):
 @dataclass(frozen=True)
 class SequenceKV:
     """The slots of one sequence's last ``width`` keys (its newest token last): a plain slice of
-    the pool, ``start:start + width``, when they fill consecutive slots, else the ``slots`` to
-    gather. A step that feeds the sequence several queries (a prefill chunk) attends its own
+    the pool, ``start:start + width``, when they fill consecutive slots; for a lone query (a decode
+    token, which sees every key in any order) whose keys lie in a few long ``runs`` of consecutive
+    slots, those runs (``(first slot, keys)`` each, attended one call each, nothing copied); else
+    the ``slots`` to gather. A step that feeds the sequence several queries (a prefill chunk) attends its own
     tokens causally (``causal``: the keys are exactly the chunk's, SDPA's unmasked causal path)
     after ``earlier`` keys that every query sees whole; ``allowed`` (``[queries, width]`` bool)
     masks keys per query only where a sliding window cuts them. One query sees every key."""
@@ -205,6 +210,7 @@ class SequenceKV:
     allowed: Tensor | None = None
     causal: bool = False
     earlier: int = 0  # keys before the chunk's own (``causal`` chunks only)
+    runs: tuple[tuple[int, int], ...] = ()  # (first slot, keys) of each run, where ``start`` and ``slots`` are None
 
     @classmethod
     def for_row(cls, page_table: PageTable, row: int, window: int | None, queries: int = 1) -> "SequenceKV":
@@ -221,8 +227,27 @@ class SequenceKV:
         earlier = length - first - queries if causal else 0
         if pages == list(range(pages[0], pages[0] + len(pages))):
             return cls(length - first, pages[0] * page + first % page, None, allowed, causal, earlier)
+        if queries == 1 and device_policy(page_table.device).split_chunk_attention:
+            runs = _runs(pages, page, first % page, length - first)
+            if len(runs) * RUN_TOKENS <= length - first:
+                return cls(length - first, None, None, runs=runs)
         slots = page_table.slots_of(pages)[first % page :][: length - first]
         return cls(length - first, None, slots.to(page_table.device), allowed, causal, earlier)
+
+
+def _runs(pages: Sequence[int], page_size: int, skip: int, width: int) -> tuple[tuple[int, int], ...]:
+    """``(first slot, keys)`` of each run of consecutive slots holding ``width`` keys that start
+    ``skip`` slots into the first of ``pages``."""
+    runs: list[list[int]] = []
+    for page in pages:
+        if runs and runs[-1][0] + runs[-1][1] == page * page_size:
+            runs[-1][1] += page_size
+        else:
+            runs.append([page * page_size, page_size])
+    runs[0][0] += skip
+    runs[0][1] -= skip
+    runs[-1][1] -= sum(n for _, n in runs) - width  # the last page's unwritten slots
+    return tuple((start, n) for start, n in runs)
 
 
 def _build(page_table: PageTable, plan: StepPlan | DecodeRows, mask_mod: MaskMod | None, q_block_size: int,
