@@ -9,6 +9,7 @@ import torch
 import flexpage
 from flexpage import zoo
 from flexpage.bench import long
+from notebook_runner import run_notebook
 
 
 def test_a_filled_context_decodes_as_stock_over_the_same_kv():
@@ -35,8 +36,8 @@ def test_the_roofline_reads_a_quantised_pools_bytes_as_words():
                for w in words)  # views of the pool: the very bytes a step reads
 
 
-@pytest.mark.slow  # a benchmark
-def test_quick_long_benchmark(tmp_path):
+@pytest.mark.slow  # a benchmark and its notebook
+def test_quick_long_benchmark_and_its_notebook(tmp_path, monkeypatch):
     long.main(["--quick", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "long.json").read_text())
     summary = {(r["config"], r["length"]): r for r in data["meta"]["summary"]}
@@ -53,3 +54,4 @@ def test_quick_long_benchmark(tmp_path):
     errors = (tmp_path / "long_attention_error.csv").read_text().splitlines()
     assert len(errors) == 1 + 2 * zoo.load_config("llama-tiny").num_hidden_layers  # a row per format and layer
     assert (tmp_path / "long.png").stat().st_size > 0
+    assert run_notebook("long_context", tmp_path, monkeypatch) == 1  # latency and memory against length

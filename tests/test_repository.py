@@ -44,7 +44,7 @@ def test_notebook_is_stored_executed(path):
 
 def test_notebooks_cover_every_benchmark():
     assert {p.stem for p in NOTEBOOKS} == {"latency_vs_length", "throughput", "prefix_sharing", "paged_attention",
-                                         "speculative"}
+                                         "speculative", "long_context"}
 
 
 @pytest.mark.slow
