@@ -90,28 +90,37 @@ def test_a_lone_sequence_region_is_attended_over_its_pages_without_block_metadat
 
 
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])
-@pytest.mark.parametrize("window", [None, 2050])
-def test_a_decode_token_attends_a_few_long_runs_of_pages_where_they_lie(kv_dtype, window):
-    """A lone decode token whose keys lie in two long runs of consecutive pages (its first tokens,
-    then pages after another sequence's) attends them run by run, nothing gathered, equal to the
-    reference over contiguous K/V."""
+@pytest.mark.parametrize("fed, window, own_split", [(1, None, False), (1, 2050, False), (5, None, False),
+                                                    (5, None, True)])
+def test_a_sequence_attends_a_few_long_runs_of_pages_where_they_lie(kv_dtype, fed, window, own_split):
+    """A lone sequence's decode token, or its chunk of 5 tokens (a verification), whose keys lie in
+    two long runs of consecutive pages (its first tokens, then pages after another sequence's)
+    attends them run by run, nothing gathered, equal to the reference over contiguous K/V; the
+    chunk's own tokens may straddle the runs."""
     cache = make_cache(PAGE, 160, HKV, D, kv_dtype=kv_dtype)
     cache.page_table.free_pages = deque(range(160))  # pages handed out in order
     a, b = cache.add_sequence(), cache.add_sequence()
     keys, values = torch.randn(HKV, 2100, D), torch.randn(HKV, 2100, D)
-    for row, start, end in ((a, 0, 1200), (b, 0, 50), (a, 1200, 2099)):
-        cache.begin_step([row], [end - start])
-        cache.update(keys[None, :, start:end], values[None, :, start:end], 0)
-    plan = cache.begin_packed_step([a], [], 1, 0)
-    k_pool, v_pool = cache.update(keys[None, :, 2099:], values[None, :, 2099:], 0)
+    # b's pages come after a's first ``split`` tokens; with ``own_split`` the chunk's first token still
+    # fills a's partly written page before them and the others go after them
+    split = 2100 - fed if own_split else 1200
+    for row, start, end in ((a, 0, split), (b, 0, 50), (a, split, 2100 - fed)):
+        if end > start:
+            cache.begin_step([row], [end - start])
+            cache.update(keys[None, :, start:end], values[None, :, start:end], 0)
+    if fed == 1:
+        plan = cache.begin_packed_step([a], [], 1, 0)
+    else:
+        plan = cache.begin_packed_step([], [(a, fed)], 0, fed, 1)
+    k_pool, v_pool = cache.update(keys[None, :, 2100 - fed :], values[None, :, 2100 - fed :], 0)
     mask = masks.PackedBlockMask.for_step(cache.page_table, plan)
-    query = torch.randn(1, HQ, 1, D)
+    query = torch.randn(1, HQ, fed, D)
     out = flexpage.packed_attention(query, k_pool, v_pool, mask, window=window)
-    kv = mask.decode_kv(window)
+    (kv,) = [mask.decode_kv(window)] if fed == 1 else mask.chunk_kvs(window)
     assert kv.slots is None and kv.start is None and len(kv.runs) == 2
     k, v = (keys, values) if kv_dtype is None else (rounded(keys, kv_dtype), rounded(values, kv_dtype))
     mask_mod = None if window is None else mods.sliding_window(window)
-    ref = reference_attention(query[0], k, v, torch.tensor([2099]), 0, mask_mod)
+    ref = reference_attention(query[0], k, v, torch.arange(2100 - fed, 2100), 0, mask_mod)
     torch.testing.assert_close(out[0].double(), ref, atol=1e-5, rtol=1e-5)
 
 

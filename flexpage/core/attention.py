@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+from typing import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -131,9 +134,15 @@ def sequence_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, kv: 
     gathered first; quantised keys are dequantised into a scratch pool (``quant.scratch_pool``). See
     ``sdpa_over_pages`` for when this is the kernel.
     """
-    if kv.runs:
-        return _runs_attention(query, key_pool, value_pool, kv, scale)
-    if kv.start is not None:
+    if kv.runs and not is_quantised(key_pool):
+        return _runs_attention(query, key_pool, value_pool, kv.runs, kv.width, scale)
+    if kv.runs:  # quantised runs: dequantised one after another into the scratch pools
+        keys = scratch_pool(key_pool, query.dtype, "keys")[:, :, : kv.width]
+        values = scratch_pool(value_pool, query.dtype, "values")[:, :, : kv.width]
+        for (start, count), at in zip(kv.runs, itertools.accumulate((count for _, count in kv.runs), initial=0)):
+            dequantise_into(key_pool[:, :, start : start + count], keys[:, :, at : at + count])
+            dequantise_into(value_pool[:, :, start : start + count], values[:, :, at : at + count])
+    elif kv.start is not None:
         keys = key_pool[:, :, kv.start : kv.start + kv.width]
         values = value_pool[:, :, kv.start : kv.start + kv.width]
     else:
@@ -142,8 +151,8 @@ def sequence_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, kv: 
         keys = dequantise_into(keys, scratch_pool(key_pool, query.dtype, "keys")[:, :, : kv.width])
         values = dequantise_into(values, scratch_pool(value_pool, query.dtype, "values")[:, :, : kv.width])
     batch, heads, n, _ = query.shape
-    if kv.earlier and device_policy(query.device).split_chunk_attention:
-        return _chunk_after_earlier_keys(query, keys, values, kv.earlier, scale)
+    if kv.earlier and device_policy(query.device).split_chunk_attention:  # the keys as one run
+        return _runs_attention(query, keys, values, ((0, kv.width),), kv.width, scale)
     if n == 1 and heads != keys.shape[1]:  # a decode token sees every key
         out = F.scaled_dot_product_attention(_heads_folded(query, keys.shape[1]), keys, values, scale=scale)
         return out.reshape(batch, heads, 1, out.shape[-1])
@@ -154,30 +163,46 @@ def sequence_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, kv: 
                                           enable_gqa=heads != keys.shape[1])
 
 
-def _runs_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, kv: SequenceKV,
-                    scale: float | None) -> Tensor:
-    """A decode token (``[1, Hq, 1, D]``) over keys in ``kv.runs`` of consecutive slots: one flash call
-    per run (heads folded) merged by log-sum-exps; quantised runs are dequantised one after another
-    into a scratch pool and attended in one call. Nothing is gathered. CPU only (the CPU kernel)."""
-    batch, heads, _, _ = query.shape
-    folded = _heads_folded(query, key_pool.shape[1])
-    if is_quantised(key_pool):
-        keys = scratch_pool(key_pool, query.dtype, "keys")[:, :, : kv.width]
-        values = scratch_pool(value_pool, query.dtype, "values")[:, :, : kv.width]
-        at = 0
-        for start, n in kv.runs:
-            dequantise_into(key_pool[:, :, start : start + n], keys[:, :, at : at + n])
-            dequantise_into(value_pool[:, :, start : start + n], values[:, :, at : at + n])
-            at += n
-        out = F.scaled_dot_product_attention(folded, keys, values, scale=scale)
-        return out.reshape(batch, heads, 1, out.shape[-1])
+def _runs_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, runs: tuple[tuple[int, int], ...],
+                    width: int, scale: float | None) -> Tensor:
+    """One sequence's queries (``[1, Hq, n, D]``: a decode token, or a chunk whose ``n`` tokens are
+    the last of the ``width`` keys, causal after the others) over keys lying in ``runs`` of
+    consecutive slots of the pools, nothing gathered: the keys every query sees one flash call per
+    run (heads folded, so each KV head is read once), the chunk's own keys causally, merged by
+    log-sum-exps. One masked call over all the keys would spend the masked half of the chunk's own
+    square and read a mask. CPU only (the CPU kernel)."""
+    batch, heads, n, _ = query.shape
+    kv_heads = key_pool.shape[1]
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    seen = width - n if n > 1 else width  # keys every query sees whole
     out = lse = None
-    for start, n in kv.runs:
-        part, part_lse = flash(folded, key_pool[:, :, start : start + n], value_pool[:, :, start : start + n],
+    folded = _heads_folded(query, kv_heads)
+    for start, count in _run_slices(runs, 0, seen):
+        part, part_lse = flash(folded, key_pool[:, :, start : start + count], value_pool[:, :, start : start + count],
                                scale=scale)
         out, lse = (part, part_lse) if out is None else _merged(out, lse, part, part_lse)
-    return out.reshape(batch, heads, 1, out.shape[-1])
+    if n == 1:
+        return out.reshape(batch, heads, 1, out.shape[-1])
+    own = list(_run_slices(runs, seen, width))  # the chunk's own keys, causal
+    own_keys, own_values = (pool[:, :, own[0][0] : own[0][0] + own[0][1]] if len(own) == 1 else
+                            torch.cat([pool[:, :, start : start + count] for start, count in own], dim=2)
+                            for pool in (key_pool, value_pool))
+    if heads != kv_heads:
+        own_keys, own_values = (t.repeat_interleave(heads // kv_heads, 1) for t in (own_keys, own_values))
+    mine, mine_lse = flash(query, own_keys, own_values, is_causal=True, scale=scale)
+    if out is None:
+        return mine
+    return _merged(mine, mine_lse, out.reshape(batch, heads, n, -1), lse.reshape(batch, heads, n))[0]
+
+
+def _run_slices(runs: tuple[tuple[int, int], ...], lo: int, hi: int) -> Iterator[tuple[int, int]]:
+    """``(first slot, keys)`` of the parts of ``runs`` that hold keys ``lo`` to ``hi`` (in key order)."""
+    at = 0
+    for start, count in runs:
+        first, last = max(lo, at), min(hi, at + count)
+        if first < last:
+            yield start + first - at, last - first
+        at += count
 
 
 def _merged(out: Tensor, lse: Tensor, part: Tensor, part_lse: Tensor) -> tuple[Tensor, Tensor]:
@@ -199,26 +224,6 @@ def causal_after(queries: int, earlier: int, device: torch.device | str = "cpu")
     """``[queries, earlier + queries]`` bool mask: query ``i`` sees the ``earlier`` keys and the
     chunk's own keys up to itself (causal attention of a chunk after cached tokens)."""
     return torch.ones(queries, earlier + queries, dtype=torch.bool, device=device).tril(earlier)
-
-
-def _chunk_after_earlier_keys(query: Tensor, keys: Tensor, values: Tensor, earlier: int,
-                              scale: float | None) -> Tensor:
-    """A prefill chunk's causal attention when its keys are ``earlier`` keys that every query
-    sees, then the chunk's own tokens: two unmasked SDPA calls whose outputs are merged by
-    their log-sum-exps. One masked call over all the keys would spend the masked-out half of
-    the chunk's own square (1/6 of the work for a 512-token chunk after 1024 tokens) and read
-    a mask. The earlier keys are attended with folded heads (``_heads_folded``), so they are
-    read once per KV head and never copied. CPU only (the op is the CPU kernel)."""
-    batch, heads, n, _ = query.shape
-    group = heads // keys.shape[1]
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    early, early_lse = flash(_heads_folded(query, keys.shape[1]), keys[:, :, :earlier], values[:, :, :earlier],
-                             scale=scale)
-    own_keys, own_values = keys[:, :, earlier:], values[:, :, earlier:]
-    if group > 1:
-        own_keys, own_values = own_keys.repeat_interleave(group, 1), own_values.repeat_interleave(group, 1)
-    own, own_lse = flash(query, own_keys, own_values, is_causal=True, scale=scale)
-    return _merged(own, own_lse, early.reshape(batch, heads, n, -1), early_lse.reshape(batch, heads, n))[0]
 
 
 def packed_attention(

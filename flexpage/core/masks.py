@@ -29,7 +29,7 @@ from .policy import device_policy
 
 
 Q_BLOCK_SIZE = 128
-# a lone decode token attends its keys run by run (``SequenceKV.runs``) where the runs of consecutive
+# a lone sequence's queries attend their keys run by run (``SequenceKV.runs``) where the runs of consecutive
 # slots average at least this many keys: then the calls cost less than gathering the keys
 RUN_TOKENS = 1024
 
@@ -196,10 +196,10 @@ class _StepMask(BlockMask):
 @dataclass(frozen=True)
 class SequenceKV:
     """The slots of one sequence's last ``width`` keys (its newest token last): a plain slice of
-    the pool, ``start:start + width``, when they fill consecutive slots; for a lone query (a decode
-    token, which sees every key in any order) whose keys lie in a few long ``runs`` of consecutive
-    slots, those runs (``(first slot, keys)`` each, attended one call each, nothing copied); else
-    the ``slots`` to gather. A step that feeds the sequence several queries (a prefill chunk) attends its own
+    the pool, ``start:start + width``, when they fill consecutive slots; where the keys lie in a
+    few long ``runs`` of consecutive slots, for a decode token or a causal chunk, those runs
+    (``(first slot, keys)`` each, attended one call each, nothing copied); else the ``slots`` to
+    gather. A step that feeds the sequence several queries (a prefill chunk) attends its own
     tokens causally (``causal``: the keys are exactly the chunk's, SDPA's unmasked causal path)
     after ``earlier`` keys that every query sees whole; ``allowed`` (``[queries, width]`` bool)
     masks keys per query only where a sliding window cuts them. One query sees every key."""
@@ -227,10 +227,10 @@ class SequenceKV:
         earlier = length - first - queries if causal else 0
         if pages == list(range(pages[0], pages[0] + len(pages))):
             return cls(length - first, pages[0] * page + first % page, None, allowed, causal, earlier)
-        if queries == 1 and device_policy(page_table.device).split_chunk_attention:
+        if (queries == 1 or causal) and device_policy(page_table.device).split_chunk_attention:
             runs = _runs(pages, page, first % page, length - first)
             if len(runs) * RUN_TOKENS <= length - first:
-                return cls(length - first, None, None, runs=runs)
+                return cls(length - first, None, None, allowed, causal, earlier, runs)
         slots = page_table.slots_of(pages)[first % page :][: length - first]
         return cls(length - first, None, slots.to(page_table.device), allowed, causal, earlier)
 
