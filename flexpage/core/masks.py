@@ -212,6 +212,17 @@ class SequenceKV:
     earlier: int = 0  # keys before the chunk's own (``causal`` chunks only)
     runs: tuple[tuple[int, int], ...] = ()  # (first slot, keys) of each run, where ``start`` and ``slots`` are None
 
+    def key_runs(self) -> tuple[tuple[int, int], ...]:
+        """``(first slot, keys)`` of each run of consecutive slots holding the keys, in key order,
+        whichever way they are described."""
+        if self.runs:
+            return self.runs
+        if self.start is not None:
+            return ((self.start, self.width),)
+        slots = self.slots.cpu()
+        firsts = [0, *((slots[1:] != slots[:-1] + 1).nonzero().flatten() + 1).tolist(), self.width]
+        return tuple((int(slots[a]), b - a) for a, b in zip(firsts, firsts[1:]))
+
     @classmethod
     def for_row(cls, page_table: PageTable, row: int, window: int | None, queries: int = 1) -> "SequenceKV":
         """The keys the last ``queries`` tokens of ``row`` attend (causal, within ``window``)."""

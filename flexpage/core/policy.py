@@ -37,6 +37,9 @@ class DevicePolicy:
     # Sampling reads rows on the host (NumPy argmax, blocked CDFs, a row at a time); elsewhere
     # whole-batch kernels.
     host_sampling: bool
+    # A lone decode token over quantised pages is attended by the C kernel reading the stored
+    # bytes in place (``kernels``), not dequantised first for SDPA.
+    quantised_decode_kernel: bool
     # Tokens per page when ``wrap`` chooses: larger pages mean fewer, larger KV blocks.
     page_size: int
     # Decode-only steps run the whole forward compiled by default, every bucket (where it measured
@@ -46,10 +49,12 @@ class DevicePolicy:
 
 CPU_POLICY = DevicePolicy(sdpa_lone_sequence=True, split_chunk_attention=True, grouped_decode_rows=True,
                           pool_wide_metadata=True, uniform_decode_rows=True, tile_options=False,
-                          zero_copy_host_ints=True, host_sampling=True, page_size=64, compile_decode=True)
+                          zero_copy_host_ints=True, host_sampling=True, quantised_decode_kernel=True,
+                          page_size=64, compile_decode=True)
 ACCELERATOR_POLICY = DevicePolicy(sdpa_lone_sequence=False, split_chunk_attention=False, grouped_decode_rows=False,
                                   pool_wide_metadata=False, uniform_decode_rows=False, tile_options=True,
-                                  zero_copy_host_ints=False, host_sampling=False, page_size=16)
+                                  zero_copy_host_ints=False, host_sampling=False,
+                                  quantised_decode_kernel=False, page_size=16)
 
 
 def device_policy(device: torch.device) -> DevicePolicy:
