@@ -7,6 +7,7 @@
  * range (flash-decoding); the parts are merged by their running maxima and sums. AVX2 cores
  * take vector code for the conversions and products, other cores the same loops in plain C.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -19,6 +20,7 @@
 #define BLOCK 32      /* keys converted and scored together */
 #define MAX_GROUP 16  /* query heads per KV head */
 #define MAX_DIM 256   /* head dimension */
+#define PREFETCH 64   /* keys ahead */
 
 static inline float bf16_at(const int8_t *p) {
     uint16_t half;
@@ -62,32 +64,74 @@ static inline __m256 sums8(const __m256 *v) {
     const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
     return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
+
+/* e^x for x <= 0 (below -87: about 1e-38), within a few units in the last place. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);  /* x - n ln 2, in two parts */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
+}
+
+/* The largest of the eight lanes of ``v``. */
+static inline float max8(__m256 v) {
+    __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_max_ss(a, _mm_shuffle_ps(a, a, 1)));
+}
+
+/* The sum of the eight lanes of ``v``. */
+static inline float sum8(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_add_ss(a, _mm_shuffle_ps(a, a, 1)));
+}
 #endif
 
-/* scores[g][j] = q[g] . keys[j] for the block's ``n`` keys (padded rows give ignored scores). */
-static inline void block_scores(const float *q, float (*keys)[MAX_DIM], int64_t n, int64_t dim, int64_t group,
-                                float (*scores)[BLOCK]) {
+/* scores[g][j] = q[g] . key j for the block's ``n`` keys at ``slots``, and each key's scale;
+ * the vector path converts each key into registers and uses it for every query head at once. */
+static inline void block_scores(const float *q, const int8_t *pool, const int8_t *values, const int64_t *slots, int64_t n, int64_t dim,
+                                int64_t group, const float *lut, float (*converted)[MAX_DIM],
+                                float (*scores)[BLOCK], float *scales) {
 #ifdef VECTORS
-    if (dim % 8 == 0) {
-        for (int64_t j0 = 0; j0 < n; j0 += 8) {
-            for (int64_t g = 0; g < group; g++) {
-                __m256 partial[8];
+    if (dim % 8 == 0 && !lut) {  /* query heads four at a time (``q`` holds a multiple of four) */
+        for (int64_t j0 = 0; j0 < n; j0 += 8)
+            for (int64_t g0 = 0; g0 < group; g0 += 4) {
+                __m256 partial[4][8];
                 for (int64_t j = 0; j < 8; j++) {
-                    __m256 sum = _mm256_setzero_ps();
-                    for (int64_t i = 0; i < dim; i += 8)
-                        sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * dim + i), _mm256_loadu_ps(keys[j0 + j] + i), sum);
-                    partial[j] = sum;
+                    const int8_t *key = pool + slots[j0 + j < n ? j0 + j : j0] * (dim + 2);  /* past n: ignored */
+                    _mm_prefetch((const char *)(key + PREFETCH * (dim + 2)), _MM_HINT_T0);  /* the run's later keys */
+                    _mm_prefetch((const char *)(values + slots[j0 + j < n ? j0 + j : j0] * (dim + 2) + PREFETCH * (dim + 2)), _MM_HINT_T0);
+                    __m256 sums[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+                    for (int64_t i = 0; i < dim; i += 8) {
+                        const __m256 k = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(key + i))));
+                        for (int64_t g = 0; g < 4; g++)
+                            sums[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (g0 + g) * dim + i), k, sums[g]);
+                    }
+                    for (int64_t g = 0; g < 4; g++) partial[g][j] = sums[g];
+                    scales[j0 + j] = bf16_at(key + dim);
                 }
-                _mm256_storeu_ps(scores[g] + j0, sums8(partial));
+                for (int64_t g = 0; g < 4 && g0 + g < group; g++) _mm256_storeu_ps(scores[g0 + g] + j0, sums8(partial[g]));
             }
-        }
         return;
     }
 #endif
+    convert_rows(pool, slots, n, dim, lut, converted, scales);
     for (int64_t g = 0; g < group; g++)
         for (int64_t j = 0; j < n; j++) {
             float dot = 0.0f;
-            for (int64_t i = 0; i < dim; i++) dot += q[g * dim + i] * keys[j][i];
+            for (int64_t i = 0; i < dim; i++) dot += q[g * dim + i] * converted[j][i];
             scores[g][j] = dot;
         }
 }
@@ -116,6 +160,46 @@ static inline void block_accumulate(float *acc, float (*weights)[BLOCK], float (
             for (int64_t i = 0; i < dim; i++) acc[g * dim + i] += weights[g][j] * values[j][i];
 }
 
+/* One query head's block of ``n`` scores: scaled by their keys' scales, then turned into
+ * probabilities against the new running max ``m`` (and weighed by the values' scales); the sum
+ * ``l`` updated. Returns the factor the head's earlier output shrinks by. */
+static inline float block_softmax(float *row, int64_t n, const float *key_scale, const float *value_scale,
+                                  float *m, float *l) {
+    float top = *m, sum = 0.0f;
+#ifdef VECTORS
+    if (n % 8 == 0) {
+        __m256 most = _mm256_set1_ps(top), total = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; j += 8) {
+            const __m256 score = _mm256_mul_ps(_mm256_loadu_ps(row + j), _mm256_loadu_ps(key_scale + j));
+            _mm256_storeu_ps(row + j, score);
+            most = _mm256_max_ps(most, score);
+        }
+        top = max8(most);
+        for (int64_t j = 0; j < n; j += 8) {
+            const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), _mm256_set1_ps(top)));
+            total = _mm256_add_ps(total, p);
+            _mm256_storeu_ps(row + j, _mm256_mul_ps(p, _mm256_loadu_ps(value_scale + j)));
+        }
+        sum = sum8(total);
+    } else
+#endif
+    {
+        for (int64_t j = 0; j < n; j++) {
+            row[j] *= key_scale[j];
+            top = row[j] > top ? row[j] : top;
+        }
+        for (int64_t j = 0; j < n; j++) {
+            row[j] = expf(row[j] - top);
+            sum += row[j];
+            row[j] *= value_scale[j];
+        }
+    }
+    const float shrink = expf(*m - top);
+    *l = *l * shrink + sum;
+    *m = top;
+    return shrink;
+}
+
 /* The slot of key ``index`` (in key order, ascending across calls) of the runs. */
 static inline int64_t slot_of(const int64_t *starts, const int64_t *counts, int64_t runs, int64_t index,
                               int64_t *run, int64_t *before) {
@@ -130,35 +214,22 @@ static inline void attend_part(const float *q, const int8_t *keys, const int8_t 
                                int64_t lo, int64_t hi, const float *lut, float *m, float *l, float *acc) {
     float converted[BLOCK][MAX_DIM] = {{0}};
     float scores[MAX_GROUP][BLOCK];
-    float key_scale[BLOCK], value_scale[BLOCK];
+    float key_scale[BLOCK + 8], value_scale[BLOCK];
     int64_t slots[BLOCK];
     int64_t run = 0, before = 0;
     for (int64_t g = 0; g < group; g++) {
-        m[g] = -INFINITY;
+        m[g] = -FLT_MAX;
         l[g] = 0.0f;
     }
     memset(acc, 0, sizeof(float) * group * dim);
     for (int64_t first = lo; first < hi; first += BLOCK) {
         const int64_t n = hi - first < BLOCK ? hi - first : BLOCK;
         for (int64_t j = 0; j < n; j++) slots[j] = slot_of(starts, counts, runs, first + j, &run, &before);
-        convert_rows(keys, slots, n, dim, lut, converted, key_scale);
-        block_scores(q, converted, n, dim, group, scores);
+        block_scores(q, keys, values, slots, n, dim, group, lut, converted, scores, key_scale);
         convert_rows(values, slots, n, dim, lut, converted, value_scale);
         for (int64_t g = 0; g < group; g++) {
-            float top = m[g], sum = 0.0f;
-            for (int64_t j = 0; j < n; j++) {
-                scores[g][j] *= key_scale[j];
-                top = scores[g][j] > top ? scores[g][j] : top;
-            }
-            const float shrink = expf(m[g] - top);
-            for (int64_t j = 0; j < n; j++) {
-                scores[g][j] = expf(scores[g][j] - top);
-                sum += scores[g][j];
-                scores[g][j] *= value_scale[j];
-            }
+            const float shrink = block_softmax(scores[g], n, key_scale, value_scale, m + g, l + g);
             for (int64_t i = 0; i < dim; i++) acc[g * dim + i] *= shrink;
-            l[g] = l[g] * shrink + sum;
-            m[g] = top;
         }
         block_accumulate(acc, scores, converted, n, dim, group);
     }
@@ -174,7 +245,8 @@ int flexpage_quantised_decode(const float *query, const int8_t *key_pool, const 
                               float scale, int64_t part_keys, const float *lut, float *out) {
     if (group > MAX_GROUP || dim > MAX_DIM || width <= 0 || part_keys <= 0 || runs <= 0) return 1;
     const int64_t parts = (width + part_keys - 1) / part_keys;
-    float *q = malloc(sizeof(float) * kv_heads * group * dim);
+    const int64_t padded = (group + 3) / 4 * 4;  /* query heads per KV head, padded with zeros */
+    float *q = calloc(kv_heads * padded * dim, sizeof(float));
     float *m = malloc(sizeof(float) * kv_heads * parts * group);
     float *l = malloc(sizeof(float) * kv_heads * parts * group);
     float *acc = malloc(sizeof(float) * kv_heads * parts * group * dim);
@@ -182,13 +254,14 @@ int flexpage_quantised_decode(const float *query, const int8_t *key_pool, const 
         free(q); free(m); free(l); free(acc);
         return 2;
     }
-    for (int64_t i = 0; i < kv_heads * group * dim; i++) q[i] = query[i] * scale;
+    for (int64_t head = 0; head < kv_heads; head++)
+        for (int64_t i = 0; i < group * dim; i++) q[head * padded * dim + i] = query[head * group * dim + i] * scale;
     const int64_t head_bytes = pool_slots * (dim + 2);
 #pragma omp parallel for schedule(static)
     for (int64_t item = 0; item < kv_heads * parts; item++) {
         const int64_t head = item / parts, part = item % parts;
         const int64_t lo = part * part_keys, hi = lo + part_keys < width ? lo + part_keys : width;
-#define ATTEND(DIM, LUT) attend_part(q + head * group * dim, key_pool + head * head_bytes,          \
+#define ATTEND(DIM, LUT) attend_part(q + head * padded * dim, key_pool + head * head_bytes,          \
                                     value_pool + head * head_bytes, DIM, group, starts, counts, runs, lo, hi, \
                                     LUT, m + item * group, l + item * group, acc + item * group * dim)
         /* the common head sizes as constants: their loops unrolled whole */
