@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import flexpage
 from flexpage import zoo
-from flexpage.core import kernels, quant
-from flexpage.core.attention import sequence_attention
-from flexpage.core.masks import SequenceKV
+from flexpage.core import quant
 from flexpage.hf import cache_argument
 from reference import NEW_TOKENS, RoundedKVCache, make_cache, make_engine, workload
 
@@ -109,44 +106,3 @@ def test_engine_over_int8_pages_matches_stock_with_prefix_caching_preemption_and
     assert engine.stats().prefix_hit_tokens >= 64 and engine.stats().drafted_tokens > 0
     assert engine.cache.stats().pages_used == 0
 
-
-@pytest.mark.parametrize("name, dtype", FORMATS)
-@pytest.mark.parametrize("heads, kv_heads, dim", [(8, 2, 64), (4, 4, 128), (6, 2, 24), (16, 1, 32)])
-def test_the_decode_kernel_attends_quantised_pages_in_place_as_sdpa_over_their_values(monkeypatch, name, dtype,
-                                                                                      heads, kv_heads, dim):
-    assert kernels.compiler() is not None and kernels.library() is not None  # CI machines have a C compiler
-    torch.manual_seed(0)
-    keys, values = torch.randn(1, kv_heads, 700, dim) * 3, torch.randn(1, kv_heads, 700, dim)
-    key_pool, value_pool = quant.quantise(keys, dtype), quant.quantise(values, dtype)
-    monkeypatch.setattr(kernels, "PART_KEYS", 40)  # several parts per head, none a whole block of keys
-    for query_dtype in (torch.float32, torch.bfloat16):
-        query = torch.randn(1, heads, 1, dim, dtype=query_dtype)
-        for runs in [((5, 1),), ((0, 33),), ((640, 50), (3, 300), (400, 37))]:
-            got = kernels.quantised_decode(query, key_pool, value_pool, runs, scale=0.3)
-            slots = torch.cat([torch.arange(start, start + count) for start, count in runs])
-            want = F.scaled_dot_product_attention(
-                query.float(), quant.dequantise(key_pool[:, :, slots], torch.float32),
-                quant.dequantise(value_pool[:, :, slots], torch.float32), scale=0.3, enable_gqa=True)
-            assert got.dtype == query_dtype and got.shape == want.shape
-            torch.testing.assert_close(got.float(), want, **({} if query_dtype == torch.float32 else
-                                                             {"atol": 2e-2, "rtol": 2e-2}))
-
-
-def test_without_a_compiler_quantised_decode_falls_back_to_dequantising(monkeypatch, caplog):
-    torch.manual_seed(0)
-    cache = make_cache(16, 8, 2, 64, kv_dtype="int8")
-    keys, values = torch.randn(1, 2, 40, 64), torch.randn(1, 2, 40, 64)
-    cache.layers[0].keys[:, :, :40] = quant.quantise(keys, torch.int8)
-    cache.layers[0].values[:, :, :40] = quant.quantise(values, torch.int8)
-    kv = SequenceKV(40, None, torch.arange(40).flip(0))  # gathered in reverse: 40 runs of one key
-    query = torch.randn(1, 8, 1, 64)
-    want = F.scaled_dot_product_attention(query, quant.dequantise(cache.layers[0].keys[:, :, kv.slots], torch.float32),
-                                          quant.dequantise(cache.layers[0].values[:, :, kv.slots], torch.float32),
-                                          enable_gqa=True)
-    for cc in (None, "/bin/false"):  # the machine's compiler, then one that fails to build
-        if cc is not None:
-            monkeypatch.setenv("CC", cc)
-        got = sequence_attention(query, cache.layers[0].keys, cache.layers[0].values, kv)
-        torch.testing.assert_close(got, want)
-    assert kernels.quantised_decode(query, cache.layers[0].keys, cache.layers[0].values, kv.key_runs()) is None
-    assert "the C kernel could not be built" in caplog.text

@@ -13,7 +13,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from .compile import compile_static
 from .masks import PackedBlockMask, ScoreMod, SequenceKV, StaticDecodeMask, static_mask_at
 from .host import cdiv
-from .kernels import quantised_decode
+from .kernels import decode_attention
 from .policy import device_policy
 from .quant import dequantise_into, dequantised_pool, is_quantised, scratch_pool, value_dim
 
@@ -132,16 +132,20 @@ def sequence_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, kv: 
 
     ``kv`` (``decode_kv`` / ``chunk_kv`` of the step's mask) names the keys' slots. Keys in
     consecutive slots are attended in place (a slice of the pool, no copy), others are
-    gathered first; quantised keys are read in place by the C kernel for a decode token
-    (``kernels.quantised_decode``), else dequantised into a scratch pool (``quant.scratch_pool``). See
+    gathered first. A decode token over quantised pages, or over many keys (the policy's
+    ``decode_kernel_dtypes`` and ``decode_kernel_keys``), is attended by the C kernel reading the
+    pages in place (``kernels.decode_attention``); quantised keys are otherwise dequantised into a
+    scratch pool (``quant.scratch_pool``). See
     ``sdpa_over_pages`` for when this is the kernel.
     """
-    if kv.runs and not is_quantised(key_pool):
-        return _runs_attention(query, key_pool, value_pool, kv.runs, kv.width, scale)
-    if query.shape[2] == 1 and is_quantised(key_pool) and device_policy(query.device).quantised_decode_kernel:
-        out = quantised_decode(query, key_pool, value_pool, kv.key_runs(), scale)  # the stored bytes in place
+    policy = device_policy(query.device)
+    if query.shape[2] == 1 and (key_pool.dtype in policy.decode_kernel_dtypes
+                                or policy.decode_kernel_keys is not None and kv.width >= policy.decode_kernel_keys):
+        out = decode_attention(query, key_pool, value_pool, kv.key_runs(), scale)  # the stored values in place
         if out is not None:
             return out
+    if kv.runs and not is_quantised(key_pool):
+        return _runs_attention(query, key_pool, value_pool, kv.runs, kv.width, scale)
     if kv.runs:  # quantised runs: dequantised one after another into the scratch pools
         keys = scratch_pool(key_pool, query.dtype, "keys")[:, :, : kv.width]
         values = scratch_pool(value_pool, query.dtype, "values")[:, :, : kv.width]

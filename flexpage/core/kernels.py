@@ -1,17 +1,21 @@
-"""A C kernel for decode attention over quantised pages on the CPU, compiled on first use.
+"""A C kernel for one decode token's attention over its pages on the CPU, compiled on first use.
 
 PyTorch's CPU attention takes keys in the query's dtype only, so int8 and float8 pages had to be
 dequantised into a float scratch before SDPA read them (an extra write and read of float32 per
-key). ``csrc/quantised_decode.c`` reads the stored bytes in place instead. It is compiled with the
+key), and its flash kernel, made for blocks of queries, spends on a decode token's few query rows
+about twice the time it takes to read float32 keys. ``csrc/decode_attention.c`` reads the stored
+values (float32, bfloat16, int8 or float8 with their scales) in place, each key converted once for
+every query head of its KV head. It is compiled with the
 system's C compiler for this machine's instruction set (as inductor compiles its CPU kernels),
 cached beside flexpage's compiled graphs, and loaded with ``ctypes``; its OpenMP threads are
-torch's own (the same ``libgomp`` is already loaded). Where it cannot be built, ``quantised_decode``
-returns None and the caller dequantises as before.
+torch's own (the same ``libgomp`` is already loaded). Where it cannot be built, ``decode_attention``
+returns None and the caller takes SDPA (over dequantised keys for quantised pages).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -30,7 +34,9 @@ from .quant import value_dim
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "quantised_decode.c"
+SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
+# the kernel's ``enum format`` for each pool dtype it reads
+FORMATS = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float32: 2, torch.bfloat16: 3}
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 PART_KEYS = 256  # fewest keys a thread's part takes: a part's merge costs a few vectors
 
@@ -41,7 +47,12 @@ _fp8_values: dict[torch.device, Tensor] = {}
 
 def compiler() -> str | None:
     """The C compiler kernels are built with (``$CC``, else ``cc`` or ``gcc`` on the path)."""
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    return os.environ.get("CC") or _path_compiler()
+
+
+@functools.cache
+def _path_compiler() -> str | None:  # searched once: a decode step asks for every layer
+    return shutil.which("cc") or shutil.which("gcc")
 
 
 def _cpu_flags() -> str:
@@ -60,7 +71,7 @@ def _build(cc: str) -> Path:
     """The kernel's shared library, compiled unless this source, compiler and CPU built it before."""
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode()]))
-    path = artifact_dir() / "kernels" / f"quantised_decode-{digest.hexdigest()[:16]}.so"
+    path = artifact_dir() / "kernels" / f"decode_attention-{digest.hexdigest()[:16]}.so"
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -90,13 +101,13 @@ def _load(cc: str | None) -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(_build(cc)))
     except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", None) or error
-        log.warning("flexpage: quantised pages are dequantised before attention: the C kernel could not be "
-                    "built (%s)", detail)
+        log.warning("flexpage: decode tokens are attended by SDPA (quantised pages dequantised first): the C "
+                    "kernel could not be built (%s)", detail)
         return None
-    entry = lib.flexpage_quantised_decode
+    entry = lib.flexpage_decode_attention
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     entry.argtypes = [pointer, pointer, pointer, size, size, size, size, pointer, pointer, size, size,
-                      ctypes.c_float, size, pointer, pointer]
+                      ctypes.c_float, size, ctypes.c_int, pointer, pointer]
     entry.restype = ctypes.c_int
     return lib
 
@@ -110,17 +121,18 @@ def _fp8_table(device: torch.device) -> Tensor:
     return table
 
 
-def quantised_decode(query: Tensor, key_pool: Tensor, value_pool: Tensor, runs: tuple[tuple[int, int], ...],
+def decode_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, runs: tuple[tuple[int, int], ...],
                      scale: float | None = None) -> Tensor | None:
-    """One decode token's attention (``query`` ``[1, Hq, 1, D]``, CPU) over quantised pools
-    (``[1, Hkv, slots, D + 2]``, ``quant.quantise``'s layout), its keys in ``runs`` of consecutive
-    slots (``(first slot, keys)``, in key order), read in place. Returns ``[1, Hq, 1, D]`` in the
-    query's dtype, or None where the kernel does not apply (no compiler, pools that are not
-    contiguous int8/float8 on the CPU, more than 16 query heads per KV head, ``D`` over 256)."""
+    """One decode token's attention (``query`` ``[1, Hq, 1, D]``, CPU) over pools ``[1, Hkv, slots,
+    D]`` of float32 or bfloat16, or quantised ones (``[.., D + 2]``, ``quant.quantise``'s layout),
+    its keys in ``runs`` of consecutive slots (``(first slot, keys)``, in key order), read in place.
+    Returns ``[1, Hq, 1, D]`` in the query's dtype, or None where the kernel does not apply (no
+    compiler; pools not contiguous, on another device or of another dtype; more than 16 query heads
+    per KV head; ``D`` over 256)."""
     heads, kv_heads, dim = query.shape[1], key_pool.shape[1], value_dim(key_pool)
     if (query.device.type != "cpu" or query.shape[0] != 1 or query.shape[2] != 1 or heads % kv_heads
             or heads // kv_heads > 16 or dim > 256 or key_pool.dtype != value_pool.dtype
-            or key_pool.shape != value_pool.shape or key_pool.dtype not in (torch.int8, torch.float8_e4m3fn)
+            or key_pool.shape != value_pool.shape or key_pool.dtype not in FORMATS
             or not (key_pool.is_contiguous() and value_pool.is_contiguous()) or not runs):
         return None
     lib = library()
@@ -129,16 +141,15 @@ def quantised_decode(query: Tensor, key_pool: Tensor, value_pool: Tensor, runs: 
     folded = query.reshape(kv_heads, heads // kv_heads, dim).float().contiguous()
     out = torch.empty_like(folded)
     bounds = torch.tensor(runs, dtype=torch.int64).T.contiguous()  # [2, runs]: first slots, then counts
-    width = int(bounds[1].sum())
+    width = sum(count for _, count in runs)
     # enough parts for every thread to take a few (the KV heads alone may be fewer than threads)
     part_keys = max(PART_KEYS, cdiv(width * kv_heads, 4 * torch.get_num_threads()))
     table = _fp8_table(query.device) if key_pool.dtype == torch.float8_e4m3fn else None
-    status = lib.flexpage_quantised_decode(
+    status = lib.flexpage_decode_attention(
         folded.data_ptr(), key_pool.data_ptr(), value_pool.data_ptr(), kv_heads, key_pool.shape[2], dim,
         heads // kv_heads, bounds[0].data_ptr(), bounds[1].data_ptr(), len(runs), width,
-        dim ** -0.5 if scale is None else scale, part_keys, None if table is None else table.data_ptr(),
-        out.data_ptr())
+        dim ** -0.5 if scale is None else scale, part_keys, FORMATS[key_pool.dtype],
+        None if table is None else table.data_ptr(), out.data_ptr())
     if status:
-        raise RuntimeError(f"flexpage_quantised_decode failed with status {status}")
+        raise RuntimeError(f"flexpage_decode_attention failed with status {status}")
     return out.reshape(1, heads, 1, dim).to(query.dtype)
-

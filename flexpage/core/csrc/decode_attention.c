@@ -1,9 +1,9 @@
-/* Decode attention over quantised KV pages (flexpage.core.quant's layout), read in place.
+/* Decode attention over KV pages, read in place: float32 or bfloat16 pages, or quantised ones
+ * (flexpage.core.quant's layout: int8 or float8 values with a bfloat16 scale per token after them).
  *
- * One decode token's query heads, grouped by KV head, attend that head's keys: int8 or float8
- * values with a bfloat16 scale per token after them, lying in runs of consecutive pool slots.
- * Each key's values are converted to float once for every query head of its group; the scales
- * multiply the scores and the probabilities, not the values. Work is split by KV head and key
+ * One decode token's query heads, grouped by KV head, attend that head's keys, which lie in runs
+ * of consecutive pool slots. Each key's values are converted to float once for every query head
+ * of its group; quantised pages' scales multiply the scores and the probabilities, not the values. Work is split by KV head and key
  * range (flash-decoding); the parts are merged by their running maxima and sums. AVX2 cores
  * take vector code for the conversions and products, other cores the same loops in plain C.
  */
@@ -22,7 +22,13 @@
 #define MAX_DIM 256   /* head dimension */
 #define PREFETCH 64   /* keys ahead */
 
-static inline float bf16_at(const int8_t *p) {
+enum format { INT8, FLOAT8, FLOAT32, BFLOAT16 };  /* how a pool stores a token's values */
+
+static inline int64_t row_bytes(int64_t dim, int format) {
+    return format == FLOAT32 ? 4 * dim : format == BFLOAT16 ? 2 * dim : dim + 2;
+}
+
+static inline float bf16_at(const uint8_t *p) {
     uint16_t half;
     uint32_t bits;
     float value;
@@ -32,32 +38,32 @@ static inline float bf16_at(const int8_t *p) {
     return value;
 }
 
-/* ``n`` rows of ``dim`` stored values at ``slots`` as floats (``lut``: float8 bytes' values). */
-static inline void convert_rows(const int8_t *pool, const int64_t *slots, int64_t n, int64_t dim,
-                                const float *lut, float (*out)[MAX_DIM], float *scales) {
-    for (int64_t j = 0; j < n; j++) {
-        const int8_t *src = pool + slots[j] * (dim + 2);
-        float *dst = out[j];
-        scales[j] = bf16_at(src + dim);
-#ifdef VECTORS
-        if (dim % 8 == 0) {
-            for (int64_t i = 0; i < dim; i += 8) {
-                const __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + i)));
-                _mm256_storeu_ps(dst + i, lut ? _mm256_i32gather_ps(lut, _mm256_and_si256(wide, _mm256_set1_epi32(255)), 4)
-                                              : _mm256_cvtepi32_ps(wide));
-            }
-            continue;
-        }
-#endif
-        if (lut) {
-            for (int64_t i = 0; i < dim; i++) dst[i] = lut[(uint8_t)src[i]];
-        } else {
-            for (int64_t i = 0; i < dim; i++) dst[i] = (float)src[i];
-        }
+/* Value ``i`` of a stored row (``lut``: float8 bytes' values), and the row's scale. */
+static inline float value_at(const uint8_t *row, int64_t i, int format, const float *lut) {
+    switch (format) {
+    case INT8: return (float)(int8_t)row[i];
+    case FLOAT8: return lut[row[i]];
+    case FLOAT32: { float value; memcpy(&value, row + 4 * i, 4); return value; }
+    default: return bf16_at(row + 2 * i);
     }
 }
 
+static inline float scale_of(const uint8_t *row, int64_t dim, int format) {
+    return format == INT8 || format == FLOAT8 ? bf16_at(row + dim) : 1.0f;
+}
+
 #ifdef VECTORS
+/* Values ``i`` to ``i + 7`` of a stored row as floats. */
+static inline __m256 load8(const uint8_t *row, int64_t i, int format, const float *lut) {
+    switch (format) {
+    case INT8: return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + i))));
+    case FLOAT8: return _mm256_i32gather_ps(lut, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + i))), 4);
+    case FLOAT32: return _mm256_loadu_ps((const float *)(row + 4 * i));
+    default: return _mm256_castsi256_ps(_mm256_slli_epi32(
+                 _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + 2 * i))), 16));
+    }
+}
+
 /* The eight sums of eight vectors' lanes, in order. */
 static inline __m256 sums8(const __m256 *v) {
     const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
@@ -99,35 +105,53 @@ static inline float sum8(__m256 v) {
 }
 #endif
 
+/* ``n`` rows of ``dim`` stored values at ``slots`` as floats, and their scales. */
+static inline void convert_rows(const uint8_t *pool, const int64_t *slots, int64_t n, int64_t dim, int format,
+                                const float *lut, float (*out)[MAX_DIM], float *scales) {
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *src = pool + slots[j] * row_bytes(dim, format);
+        scales[j] = scale_of(src, dim, format);
+#ifdef VECTORS
+        if (dim % 8 == 0) {
+            for (int64_t i = 0; i < dim; i += 8) _mm256_storeu_ps(out[j] + i, load8(src, i, format, lut));
+            continue;
+        }
+#endif
+        for (int64_t i = 0; i < dim; i++) out[j][i] = value_at(src, i, format, lut);
+    }
+}
+
 /* scores[g][j] = q[g] . key j for the block's ``n`` keys at ``slots``, and each key's scale;
  * the vector path converts each key into registers and uses it for every query head at once. */
-static inline void block_scores(const float *q, const int8_t *pool, const int8_t *values, const int64_t *slots, int64_t n, int64_t dim,
-                                int64_t group, const float *lut, float (*converted)[MAX_DIM],
+static inline void block_scores(const float *q, const uint8_t *pool, const uint8_t *values, const int64_t *slots,
+                                int64_t n, int64_t dim, int64_t group, int format, const float *lut,
+                                float (*converted)[MAX_DIM],
                                 float (*scores)[BLOCK], float *scales) {
 #ifdef VECTORS
-    if (dim % 8 == 0 && !lut) {  /* query heads four at a time (``q`` holds a multiple of four) */
+    if (dim % 8 == 0) {  /* query heads four at a time (``q`` holds a multiple of four) */
         for (int64_t j0 = 0; j0 < n; j0 += 8)
             for (int64_t g0 = 0; g0 < group; g0 += 4) {
                 __m256 partial[4][8];
                 for (int64_t j = 0; j < 8; j++) {
-                    const int8_t *key = pool + slots[j0 + j < n ? j0 + j : j0] * (dim + 2);  /* past n: ignored */
-                    _mm_prefetch((const char *)(key + PREFETCH * (dim + 2)), _MM_HINT_T0);  /* the run's later keys */
-                    _mm_prefetch((const char *)(values + slots[j0 + j < n ? j0 + j : j0] * (dim + 2) + PREFETCH * (dim + 2)), _MM_HINT_T0);
+                    const int64_t slot = slots[j0 + j < n ? j0 + j : j0], bytes = row_bytes(dim, format);
+                    const uint8_t *key = pool + slot * bytes;  /* keys past n: scores ignored */
+                    _mm_prefetch((const char *)(key + PREFETCH * bytes), _MM_HINT_T0);  /* the run's later keys */
+                    _mm_prefetch((const char *)(values + (slot + PREFETCH) * bytes), _MM_HINT_T0);
                     __m256 sums[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
                     for (int64_t i = 0; i < dim; i += 8) {
-                        const __m256 k = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(key + i))));
+                        const __m256 k = load8(key, i, format, lut);
                         for (int64_t g = 0; g < 4; g++)
                             sums[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (g0 + g) * dim + i), k, sums[g]);
                     }
                     for (int64_t g = 0; g < 4; g++) partial[g][j] = sums[g];
-                    scales[j0 + j] = bf16_at(key + dim);
+                    scales[j0 + j] = scale_of(key, dim, format);
                 }
                 for (int64_t g = 0; g < 4 && g0 + g < group; g++) _mm256_storeu_ps(scores[g0 + g] + j0, sums8(partial[g]));
             }
         return;
     }
 #endif
-    convert_rows(pool, slots, n, dim, lut, converted, scales);
+    convert_rows(pool, slots, n, dim, format, lut, converted, scales);
     for (int64_t g = 0; g < group; g++)
         for (int64_t j = 0; j < n; j++) {
             float dot = 0.0f;
@@ -209,9 +233,9 @@ static inline int64_t slot_of(const int64_t *starts, const int64_t *counts, int6
 
 /* Keys ``lo`` to ``hi`` of one KV head: running max ``m``, sum ``l`` and unnormalised ``acc``
  * for each of the ``group`` query heads ``q`` (scaled by the softmax scale already). */
-static inline void attend_part(const float *q, const int8_t *keys, const int8_t *values, int64_t dim,
+static inline void attend_part(const float *q, const uint8_t *keys, const uint8_t *values, int64_t dim,
                                int64_t group, const int64_t *starts, const int64_t *counts, int64_t runs,
-                               int64_t lo, int64_t hi, const float *lut, float *m, float *l, float *acc) {
+                               int64_t lo, int64_t hi, int format, const float *lut, float *m, float *l, float *acc) {
     float converted[BLOCK][MAX_DIM] = {{0}};
     float scores[MAX_GROUP][BLOCK];
     float key_scale[BLOCK + 8], value_scale[BLOCK];
@@ -225,8 +249,8 @@ static inline void attend_part(const float *q, const int8_t *keys, const int8_t 
     for (int64_t first = lo; first < hi; first += BLOCK) {
         const int64_t n = hi - first < BLOCK ? hi - first : BLOCK;
         for (int64_t j = 0; j < n; j++) slots[j] = slot_of(starts, counts, runs, first + j, &run, &before);
-        block_scores(q, keys, values, slots, n, dim, group, lut, converted, scores, key_scale);
-        convert_rows(values, slots, n, dim, lut, converted, value_scale);
+        block_scores(q, keys, values, slots, n, dim, group, format, lut, converted, scores, key_scale);
+        convert_rows(values, slots, n, dim, format, lut, converted, value_scale);
         for (int64_t g = 0; g < group; g++) {
             const float shrink = block_softmax(scores[g], n, key_scale, value_scale, m + g, l + g);
             for (int64_t i = 0; i < dim; i++) acc[g * dim + i] *= shrink;
@@ -235,15 +259,18 @@ static inline void attend_part(const float *q, const int8_t *keys, const int8_t 
     }
 }
 
-/* query [kv_heads, group, dim] float; pools [kv_heads, pool_slots, dim + 2] (int8 or float8 bytes,
- * contiguous); ``runs`` runs of ``counts[r]`` keys from slot ``starts[r]``, ``width`` keys in all;
- * ``lut``: the 256 float values of float8 bytes, or NULL for int8; out [kv_heads, group, dim].
+/* query [kv_heads, group, dim] float; pools [kv_heads, pool_slots, row] contiguous, each row a
+ * token's values stored as ``format`` (quantised: then its bfloat16 scale); ``runs`` runs of
+ * ``counts[r]`` keys from slot ``starts[r]``, ``width`` keys in all; ``lut``: the 256 float values
+ * of float8 bytes (FLOAT8 only); out [kv_heads, group, dim].
  * Returns 0, or 1 for shapes it does not take, 2 where memory ran out. */
-int flexpage_quantised_decode(const float *query, const int8_t *key_pool, const int8_t *value_pool,
+int flexpage_decode_attention(const float *query, const uint8_t *key_pool, const uint8_t *value_pool,
                               int64_t kv_heads, int64_t pool_slots, int64_t dim, int64_t group,
                               const int64_t *starts, const int64_t *counts, int64_t runs, int64_t width,
-                              float scale, int64_t part_keys, const float *lut, float *out) {
-    if (group > MAX_GROUP || dim > MAX_DIM || width <= 0 || part_keys <= 0 || runs <= 0) return 1;
+                              float scale, int64_t part_keys, int format, const float *lut, float *out) {
+    if (group > MAX_GROUP || dim > MAX_DIM || width <= 0 || part_keys <= 0 || runs <= 0 || format < INT8
+        || format > BFLOAT16 || (format == FLOAT8 && !lut))
+        return 1;
     const int64_t parts = (width + part_keys - 1) / part_keys;
     const int64_t padded = (group + 3) / 4 * 4;  /* query heads per KV head, padded with zeros */
     float *q = calloc(kv_heads * padded * dim, sizeof(float));
@@ -256,20 +283,25 @@ int flexpage_quantised_decode(const float *query, const int8_t *key_pool, const 
     }
     for (int64_t head = 0; head < kv_heads; head++)
         for (int64_t i = 0; i < group * dim; i++) q[head * padded * dim + i] = query[head * group * dim + i] * scale;
-    const int64_t head_bytes = pool_slots * (dim + 2);
+    const int64_t head_bytes = pool_slots * row_bytes(dim, format);
 #pragma omp parallel for schedule(static)
     for (int64_t item = 0; item < kv_heads * parts; item++) {
         const int64_t head = item / parts, part = item % parts;
         const int64_t lo = part * part_keys, hi = lo + part_keys < width ? lo + part_keys : width;
-#define ATTEND(DIM, LUT) attend_part(q + head * padded * dim, key_pool + head * head_bytes,          \
-                                    value_pool + head * head_bytes, DIM, group, starts, counts, runs, lo, hi, \
-                                    LUT, m + item * group, l + item * group, acc + item * group * dim)
-        /* the common head sizes as constants: their loops unrolled whole */
-        if (dim == 64 && !lut) ATTEND(64, NULL);
-        else if (dim == 64) ATTEND(64, lut);
-        else if (dim == 128 && !lut) ATTEND(128, NULL);
-        else if (dim == 128) ATTEND(128, lut);
-        else ATTEND(dim, lut);
+#define ATTEND(DIM, FORMAT) attend_part(q + head * padded * dim, key_pool + head * head_bytes,                    \
+                                        value_pool + head * head_bytes, DIM, group, starts, counts, runs, lo, hi, \
+                                        FORMAT, lut, m + item * group, l + item * group, acc + item * group * dim)
+#define FORMATS(DIM) switch (format) {                                                    \
+        case INT8: ATTEND(DIM, INT8); break;                                              \
+        case FLOAT8: ATTEND(DIM, FLOAT8); break;                                          \
+        case FLOAT32: ATTEND(DIM, FLOAT32); break;                                        \
+        default: ATTEND(DIM, BFLOAT16);                                                   \
+        }
+        /* formats and the common head sizes as constants: their loops specialised whole */
+        if (dim == 64) FORMATS(64)
+        else if (dim == 128) FORMATS(128)
+        else FORMATS(dim)
+#undef FORMATS
 #undef ATTEND
     }
     for (int64_t head = 0; head < kv_heads; head++) {

@@ -1,0 +1,88 @@
+"""flexpage's C decode kernel (``flexpage.core.kernels``): one decode token's attention over pages
+read in place, against SDPA over the same values; its fallback where it cannot be built; and
+greedy tokens equal to stock's when every decode token takes it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flexpage
+from flexpage import zoo
+from flexpage.core import attention, kernels, policy, quant
+from flexpage.core.attention import sequence_attention
+from flexpage.core.masks import SequenceKV
+from reference import make_cache, stock_greedy, workload
+
+POOLS = [torch.int8, torch.float8_e4m3fn, torch.float32, torch.bfloat16]
+
+
+def stored(states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``states`` as a pool of ``dtype`` stores them (quantised with their scales, or cast)."""
+    return quant.quantise(states, dtype) if dtype in quant.QUANTISED else states.to(dtype)
+
+
+def values_of(pool: torch.Tensor) -> torch.Tensor:
+    """The float32 values a pool holds."""
+    return quant.dequantise(pool, torch.float32) if quant.is_quantised(pool) else pool.float()
+
+
+@pytest.mark.parametrize("dtype", POOLS)
+@pytest.mark.parametrize("heads, kv_heads, dim", [(8, 2, 64), (4, 4, 128), (6, 2, 24), (16, 1, 32)])
+def test_the_decode_kernel_attends_pages_in_place_as_sdpa_over_their_values(monkeypatch, dtype, heads, kv_heads,
+                                                                           dim):
+    assert kernels.compiler() is not None and kernels.library() is not None  # CI machines have a C compiler
+    torch.manual_seed(0)
+    key_pool = stored(torch.randn(1, kv_heads, 700, dim) * 3, dtype)
+    value_pool = stored(torch.randn(1, kv_heads, 700, dim), dtype)
+    monkeypatch.setattr(kernels, "PART_KEYS", 40)  # several parts per head, none a whole block of keys
+    for query_dtype in (torch.float32, torch.bfloat16):
+        query = torch.randn(1, heads, 1, dim, dtype=query_dtype)
+        for runs in [((5, 1),), ((0, 33),), ((640, 50), (3, 300), (400, 37))]:
+            got = kernels.decode_attention(query, key_pool, value_pool, runs, scale=0.3)
+            slots = torch.cat([torch.arange(start, start + count) for start, count in runs])
+            want = F.scaled_dot_product_attention(query.float(), values_of(key_pool[:, :, slots]),
+                                                  values_of(value_pool[:, :, slots]), scale=0.3, enable_gqa=True)
+            assert got.dtype == query_dtype and got.shape == want.shape
+            torch.testing.assert_close(got.float(), want, **({} if query_dtype == torch.float32 else
+                                                             {"atol": 2e-2, "rtol": 2e-2}))
+
+
+def test_without_a_compiler_decode_tokens_fall_back_to_sdpa_over_dequantised_keys(monkeypatch, caplog):
+    torch.manual_seed(0)
+    cache = make_cache(16, 8, 2, 64, kv_dtype="int8")
+    keys, values = cache.layers[0].keys, cache.layers[0].values
+    keys[:, :, :40] = quant.quantise(torch.randn(1, 2, 40, 64), torch.int8)
+    values[:, :, :40] = quant.quantise(torch.randn(1, 2, 40, 64), torch.int8)
+    kv = SequenceKV(40, None, torch.arange(40).flip(0))  # gathered in reverse: 40 runs of one key
+    query = torch.randn(1, 8, 1, 64)
+    want = F.scaled_dot_product_attention(query, values_of(keys[:, :, kv.slots]), values_of(values[:, :, kv.slots]),
+                                          enable_gqa=True)
+    for cc in (None, "/bin/false"):  # the machine's compiler, then one that fails to build
+        if cc is not None:
+            monkeypatch.setenv("CC", cc)
+        torch.testing.assert_close(sequence_attention(query, keys, values, kv), want)
+    assert kernels.decode_attention(query, keys, values, kv.key_runs()) is None
+    assert "the C kernel could not be built" in caplog.text
+
+
+def test_generate_with_every_decode_token_through_the_kernel_equals_stock(monkeypatch, stock_llama):
+    """The kernel over float32 pages from the first key on (the policy's threshold lowered): two
+    prompts, each generated alone, give stock's greedy tokens, and every decode step's layers ran it."""
+    monkeypatch.setattr(policy, "CPU_POLICY", dataclasses.replace(policy.CPU_POLICY, decode_kernel_keys=1))
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[3])
+        return kernels.decode_attention(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "decode_attention", counted)
+    model = flexpage.wrap(zoo.build("llama-tiny"), compile_decode=False, max_batch_size=2)
+    prompts = workload((40, 13))
+    for prompt in prompts:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert out[0, len(prompt):].tolist() == stock_greedy(stock_llama, prompt, 12)
+    assert len(calls) >= 2 * 11 * stock_llama.config.num_hidden_layers
