@@ -14,7 +14,7 @@ import flexpage
 from flexpage import zoo
 from flexpage.core import attention, kernels, policy, quant
 from flexpage.core.attention import sequence_attention
-from flexpage.core.masks import SequenceKV
+from flexpage.core.masks import SequenceKV, run_arrays
 from reference import make_cache, stock_greedy, workload
 
 POOLS = [torch.int8, torch.float8_e4m3fn, torch.float32, torch.bfloat16]
@@ -42,7 +42,7 @@ def test_the_decode_kernel_attends_pages_in_place_as_sdpa_over_their_values(monk
     for query_dtype in (torch.float32, torch.bfloat16):
         query = torch.randn(1, heads, 1, dim, dtype=query_dtype)
         for runs in [((5, 1),), ((0, 33),), ((640, 50), (3, 300), (400, 37))]:
-            got = kernels.decode_attention(query, key_pool, value_pool, runs, scale=0.3)
+            got = kernels.decode_attention(query, key_pool, value_pool, *run_arrays([runs]), scale=0.3)
             slots = torch.cat([torch.arange(start, start + count) for start, count in runs])
             want = F.scaled_dot_product_attention(query.float(), values_of(key_pool[:, :, slots]),
                                                   values_of(value_pool[:, :, slots]), scale=0.3, enable_gqa=True)
@@ -65,24 +65,30 @@ def test_without_a_compiler_decode_tokens_fall_back_to_sdpa_over_dequantised_key
         if cc is not None:
             monkeypatch.setenv("CC", cc)
         torch.testing.assert_close(sequence_attention(query, keys, values, kv), want)
-    assert kernels.decode_attention(query, keys, values, kv.key_runs()) is None
+    assert kernels.decode_attention(query, keys, values, *run_arrays([kv.key_runs()])) is None
     assert "the C kernel could not be built" in caplog.text
 
 
 def test_generate_with_every_decode_token_through_the_kernel_equals_stock(monkeypatch, stock_llama):
-    """The kernel over float32 pages from the first key on (the policy's threshold lowered): two
-    prompts, each generated alone, give stock's greedy tokens, and every decode step's layers ran it."""
-    monkeypatch.setattr(policy, "CPU_POLICY", dataclasses.replace(policy.CPU_POLICY, decode_kernel_keys=1))
+    """The kernel over float32 pages for every decode token (the lone token's threshold lowered): a
+    padded batch of two (one kernel call per layer for both rows), then each prompt alone, give
+    stock's greedy tokens, and every decode step's layers ran it."""
+    monkeypatch.setattr(policy, "CPU_POLICY", dataclasses.replace(policy.CPU_POLICY, lone_decode_kernel_keys=1))
     calls = []
 
     def counted(*args, **kwargs):
-        calls.append(args[3])
+        calls.append(args[0].shape[0])  # the decode tokens of the call
         return kernels.decode_attention(*args, **kwargs)
 
     monkeypatch.setattr(attention, "decode_attention", counted)
     model = flexpage.wrap(zoo.build("llama-tiny"), compile_decode=False, max_batch_size=2)
     prompts = workload((40, 13))
+    ids = torch.tensor([[0] * 27 + prompts[1], prompts[0]])
+    out = model.generate(ids, attention_mask=(ids != 0).long(), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert out[:, 40:].tolist() == [stock_greedy(stock_llama, prompt, 12) for prompt in prompts[::-1]]
+    layers = stock_llama.config.num_hidden_layers
+    assert calls.count(2) == 11 * layers  # both rows in one call, every decode step
     for prompt in prompts:
         out = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
         assert out[0, len(prompt):].tolist() == stock_greedy(stock_llama, prompt, 12)
-    assert len(calls) >= 2 * 11 * stock_llama.config.num_hidden_layers
+    assert calls.count(1) == 2 * 11 * layers

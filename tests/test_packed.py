@@ -199,10 +199,10 @@ def test_static_decode_step_rewrites_its_tensors_in_place_and_attends_like_the_r
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
 @pytest.mark.parametrize("decode_ctx, chunks, window, cap", [
-    ([5, 40, 100], [(17, 30)], None, None),  # decode rows: FlexAttention over the dequantised scratch
+    ([5, 40, 100], [(17, 30)], None, None),  # decode rows: the C kernel over the stored bytes; a chunk: SDPA
     ([5, 40, 100], [], 24, None),
-    ([77], [(100, 37)], None, None),  # a lone decode token and a chunk: SDPA, dequantised as gathered
-    ([3, 60], [(0, 20)], None, 2.0),  # soft-capped: every region through FlexAttention
+    ([77], [(100, 37)], None, None),  # a lone decode token (the C kernel) and a chunk (SDPA, dequantised as gathered)
+    ([3, 60], [(0, 20)], None, 2.0),  # soft-capped: every region through FlexAttention over the dequantised scratch
 ])
 def test_quantised_pages_attend_like_the_reference_over_their_rounded_values(kv_dtype, decode_ctx, chunks, window,
                                                                               cap):

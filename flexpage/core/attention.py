@@ -11,7 +11,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from .compile import compile_static
-from .masks import PackedBlockMask, ScoreMod, SequenceKV, StaticDecodeMask, static_mask_at
+from .masks import PackedBlockMask, ScoreMod, SequenceKV, StaticDecodeMask, run_arrays, static_mask_at
 from .host import cdiv
 from .kernels import decode_attention
 from .policy import device_policy
@@ -133,15 +133,15 @@ def sequence_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, kv: 
     ``kv`` (``decode_kv`` / ``chunk_kv`` of the step's mask) names the keys' slots. Keys in
     consecutive slots are attended in place (a slice of the pool, no copy), others are
     gathered first. A decode token over quantised pages, or over many keys (the policy's
-    ``decode_kernel_dtypes`` and ``decode_kernel_keys``), is attended by the C kernel reading the
-    pages in place (``kernels.decode_attention``); quantised keys are otherwise dequantised into a
-    scratch pool (``quant.scratch_pool``). See
+    ``decode_kernel_dtypes`` and ``lone_decode_kernel_keys``), is attended by the C kernel reading
+    the pages in place (``kernels.decode_attention``); quantised keys are otherwise dequantised into
+    a scratch pool (``quant.scratch_pool``). See
     ``sdpa_over_pages`` for when this is the kernel.
     """
     policy = device_policy(query.device)
-    if query.shape[2] == 1 and (key_pool.dtype in policy.decode_kernel_dtypes
-                                or policy.decode_kernel_keys is not None and kv.width >= policy.decode_kernel_keys):
-        out = decode_attention(query, key_pool, value_pool, kv.key_runs(), scale)  # the stored values in place
+    if (query.shape[2] == 1 and key_pool.dtype in policy.decode_kernel_dtypes
+            and (is_quantised(key_pool) or kv.width >= policy.lone_decode_kernel_keys)):
+        out = decode_attention(query, key_pool, value_pool, *run_arrays([kv.key_runs()]), scale)  # values in place
         if out is not None:
             return out
     if kv.runs and not is_quantised(key_pool):
@@ -274,6 +274,9 @@ def packed_attention(
         fed = len(block_mask.fed_decode_rows())
         out = sequence_attention(query[:, :, :fed], key_pool, value_pool, kv, scale)
         outputs.append(out if fed == decoded else F.pad(out, (0, 0, 0, decoded - fed)))
+    elif decoded and (out := _decode_rows_by_kernel(query, key_pool, value_pool, block_mask, window, cap,
+                                                    scale)) is not None:
+        outputs.append(out)
     elif decoded:  # a batch of one-token rows: [1, H, n, D] -> [decode_len, H, 1, D] -> [1, H, n, D]
         group = query_group(query, key_pool) if block_mask.group is None else block_mask.group
         mask, score_mod = block_mask.decode_region(window, cap, group)
@@ -294,6 +297,23 @@ def packed_attention(
         key_pool, value_pool = _flex_pools(query, key_pool, value_pool, block_mask)
         outputs.append(_region_attention(query, key_pool, value_pool, block_mask.region("chunk", window, cap), scale))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+
+def _decode_rows_by_kernel(query: Tensor, key_pool: Tensor, value_pool: Tensor, block_mask: PackedBlockMask,
+                           window: int | None, cap: float | None, scale: float | None) -> Tensor | None:
+    """The decode region of a step (``[1, Hq, decode_tokens, D]``) by the C kernel in one call,
+    every row's keys read in place, where the policy gives it the pools' dtype; None where it does
+    not apply (scores soft-capped, a row fed several tokens, traced, no kernel). Padding rows keep
+    zeros (never read)."""
+    rows = block_mask.fed_decode_rows()
+    if (cap is not None or key_pool.dtype not in device_policy(query.device).decode_kernel_dtypes
+            or len(set(rows)) != len(rows) or torch.compiler.is_compiling()):
+        return None
+    fed = query[0, :, : len(rows)].transpose(0, 1)[:, :, None]  # [rows, H, 1, D]
+    out = decode_attention(fed, key_pool, value_pool, *block_mask.decode_runs(window), scale)
+    if out is None:
+        return None
+    return F.pad(out[:, :, 0].transpose(0, 1)[None], (0, 0, 0, block_mask.plan.decode_tokens - len(rows)))
 
 
 def _flex_pools(query: Tensor, key_pool: Tensor, value_pool: Tensor, block_mask: PackedBlockMask

@@ -106,7 +106,7 @@ def _load(cc: str | None) -> ctypes.CDLL | None:
         return None
     entry = lib.flexpage_decode_attention
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    entry.argtypes = [pointer, pointer, pointer, size, size, size, size, pointer, pointer, size, size,
+    entry.argtypes = [pointer, pointer, pointer, size, size, size, size, size, pointer, pointer, pointer,
                       ctypes.c_float, size, ctypes.c_int, pointer, pointer]
     entry.restype = ctypes.c_int
     return lib
@@ -121,35 +121,35 @@ def _fp8_table(device: torch.device) -> Tensor:
     return table
 
 
-def decode_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, runs: tuple[tuple[int, int], ...],
+def decode_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, first_run: Tensor, runs: Tensor,
                      scale: float | None = None) -> Tensor | None:
-    """One decode token's attention (``query`` ``[1, Hq, 1, D]``, CPU) over pools ``[1, Hkv, slots,
-    D]`` of float32 or bfloat16, or quantised ones (``[.., D + 2]``, ``quant.quantise``'s layout),
-    its keys in ``runs`` of consecutive slots (``(first slot, keys)``, in key order), read in place.
-    Returns ``[1, Hq, 1, D]`` in the query's dtype, or None where the kernel does not apply (no
-    compiler; pools not contiguous, on another device or of another dtype; more than 16 query heads
-    per KV head; ``D`` over 256)."""
-    heads, kv_heads, dim = query.shape[1], key_pool.shape[1], value_dim(key_pool)
-    if (query.device.type != "cpu" or query.shape[0] != 1 or query.shape[2] != 1 or heads % kv_heads
-            or heads // kv_heads > 16 or dim > 256 or key_pool.dtype != value_pool.dtype
+    """The attention of ``R`` decode tokens (``query`` ``[R, Hq, 1, D]``, CPU), each of its own
+    sequence, over pools ``[1, Hkv, slots, D]`` of float32 or bfloat16, or quantised ones
+    (``[.., D + 2]``, ``quant.quantise``'s layout), read in place; the sequences' keys lie in runs
+    of consecutive slots (``masks.run_arrays``: ``first_run`` ``[R + 1]``, ``runs`` ``[2, n]``).
+    Returns ``[R, Hq, 1, D]`` in the query's dtype, or None where the kernel does not apply (no
+    compiler; pools not contiguous, on another device or of another dtype; more than 16 query
+    heads per KV head; ``D`` over 256)."""
+    rows, heads, _, dim = query.shape
+    kv_heads = key_pool.shape[1]
+    if (query.device.type != "cpu" or query.shape[2] != 1 or heads % kv_heads or heads // kv_heads > 16
+            or value_dim(key_pool) != dim or dim > 256 or key_pool.dtype != value_pool.dtype
             or key_pool.shape != value_pool.shape or key_pool.dtype not in FORMATS
-            or not (key_pool.is_contiguous() and value_pool.is_contiguous()) or not runs):
+            or not (key_pool.is_contiguous() and value_pool.is_contiguous()) or first_run.numel() != rows + 1):
         return None
     lib = library()
     if lib is None:
         return None
-    folded = query.reshape(kv_heads, heads // kv_heads, dim).float().contiguous()
+    folded = query.reshape(rows, kv_heads, heads // kv_heads, dim).float().contiguous()
     out = torch.empty_like(folded)
-    bounds = torch.tensor(runs, dtype=torch.int64).T.contiguous()  # [2, runs]: first slots, then counts
-    width = sum(count for _, count in runs)
     # enough parts for every thread to take a few (the KV heads alone may be fewer than threads)
-    part_keys = max(PART_KEYS, cdiv(width * kv_heads, 4 * torch.get_num_threads()))
+    part_keys = max(PART_KEYS, cdiv(int(runs[1].sum()) * kv_heads, 4 * torch.get_num_threads()))
     table = _fp8_table(query.device) if key_pool.dtype == torch.float8_e4m3fn else None
     status = lib.flexpage_decode_attention(
-        folded.data_ptr(), key_pool.data_ptr(), value_pool.data_ptr(), kv_heads, key_pool.shape[2], dim,
-        heads // kv_heads, bounds[0].data_ptr(), bounds[1].data_ptr(), len(runs), width,
+        folded.data_ptr(), key_pool.data_ptr(), value_pool.data_ptr(), rows, kv_heads, key_pool.shape[2], dim,
+        heads // kv_heads, first_run.data_ptr(), runs[0].data_ptr(), runs[1].data_ptr(),
         dim ** -0.5 if scale is None else scale, part_keys, FORMATS[key_pool.dtype],
         None if table is None else table.data_ptr(), out.data_ptr())
     if status:
         raise RuntimeError(f"flexpage_decode_attention failed with status {status}")
-    return out.reshape(1, heads, 1, dim).to(query.dtype)
+    return out.reshape(rows, heads, 1, dim).to(query.dtype)

@@ -13,6 +13,7 @@ sequence), as the library in ``flexpage.mods`` is.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -261,6 +262,15 @@ def _runs(pages: Sequence[int], page_size: int, skip: int, width: int) -> tuple[
     return tuple((start, n) for start, n in runs)
 
 
+def run_arrays(rows: Sequence[tuple[tuple[int, int], ...]]) -> tuple[Tensor, Tensor]:
+    """Several sequences' keys as runs of consecutive slots (``SequenceKV.key_runs`` each) in two
+    int64 tensors: ``first_run`` ``[R + 1]`` (sequence ``r``'s runs are ``first_run[r]`` to
+    ``first_run[r + 1]``) and ``runs`` ``[2, n]`` (each run's first slot, then its keys)."""
+    first_run = torch.tensor([0, *itertools.accumulate(len(runs) for runs in rows)], dtype=torch.int64)
+    runs = torch.tensor([run for runs in rows for run in runs], dtype=torch.int64).reshape(-1, 2)
+    return first_run, runs.T.contiguous()
+
+
 def _build(page_table: PageTable, plan: StepPlan | DecodeRows, mask_mod: MaskMod | None, q_block_size: int,
            group: int = 1) -> BlockMask:
     """The step's BlockMask; ``group > 1`` (one-token rows only) for a query whose grouped heads
@@ -440,11 +450,14 @@ class PackedBlockMask(_StepMask):
 
     def windows(self) -> set[int | None]:
         """The sliding windows (None: no window) of the layers that attended through this mask."""
-        return {key[1] for key in self._variants if key[0] in ("decode", "decode_kv", "chunk", "chunk_kvs")}
+        return {key[1] for key in self._variants if key[0] in ("decode", "decode_kv", "decode_runs", "chunk",
+                                                                "chunk_kvs")}
 
     def decode_variants(self) -> set[tuple[int | None, float | None]]:
-        """The ``(window, cap)`` variants whose decode region this step's layers asked for."""
-        return {(key[1], key[2]) for key in self._variants if key[0] == "decode"}
+        """The ``(window, cap)`` variants whose decode region this step's layers asked for (as
+        FlexAttention's block mask, or as the C kernel's runs: no soft-cap)."""
+        return ({(key[1], key[2]) for key in self._variants if key[0] == "decode"}
+                | {(key[1], None) for key in self._variants if key[0] == "decode_runs"})
 
     def prepare(self, variants: set[tuple[int | None, float | None]]) -> "PackedBlockMask":
         """Build the decode region of each layer variant ``(window, cap)`` now, as a compiled
@@ -467,6 +480,12 @@ class PackedBlockMask(_StepMask):
         rows = self.fed_decode_rows()
         return self._variant(("decode_kv", window),
                              lambda: SequenceKV.for_row(self.page_table, rows[0], window, len(rows)))
+
+    def decode_runs(self, window: int | None = None) -> tuple[Tensor, Tensor]:
+        """The keys of each fed decode token (one per row: no row fed several) as runs of slots,
+        ``run_arrays``' form, for the C kernel's batch of decode tokens."""
+        return self._variant(("decode_runs", window), lambda: run_arrays(
+            [SequenceKV.for_row(self.page_table, row, window).key_runs() for row in self.fed_decode_rows()]))
 
     def read_rows(self) -> tuple[int, ...]:
         """The page-table rows whose keys this step reads: its decode rows, then its chunks'."""
@@ -540,7 +559,7 @@ class StaticDecodeMask(PackedBlockMask):
         """Rewrite the decode rows and every variant's block metadata from the plan's tensors (written
         for this step's page-table ``rows`` by ``PageTable.plan_packed``) and the page table."""
         self.rows = tuple(rows)
-        for key in [key for key in self._variants if key[0] in ("decode_kv", "read_slots")]:  # per step
+        for key in [key for key in self._variants if key[0] in ("decode_kv", "decode_runs", "read_slots")]:  # per step
             del self._variants[key]
         rows = self._variants[("decode_rows",)]
         torch.clamp(self.plan.tok_pos, min=0, out=rows.q_start)  # padding rows (position -1) see nothing

@@ -37,12 +37,13 @@ class DevicePolicy:
     # Sampling reads rows on the host (NumPy argmax, blocked CDFs, a row at a time); elsewhere
     # whole-batch kernels.
     host_sampling: bool
-    # A lone decode token over pages of these dtypes is attended by flexpage's C kernel reading
-    # them in place (``kernels``), not dequantised into a copy for SDPA.
+    # Decode tokens over pages of these dtypes are attended by flexpage's C kernel reading each
+    # row's pages in place (``kernels``), a batch of them in one call: faster than FlexAttention's
+    # CPU template, and quantised pages need no dequantised copy.
     decode_kernel_dtypes: frozenset[torch.dtype]
-    # ... and over float pages from this many keys on, where it is faster than SDPA's flash kernel
-    # over a decode token's few query rows (None: never).
-    decode_kernel_keys: int | None
+    # ... a lone decode token over float pages from this many keys on (SDPA's flash kernel is
+    # faster below); over quantised pages always.
+    lone_decode_kernel_keys: int
     # Tokens per page when ``wrap`` chooses: larger pages mean fewer, larger KV blocks.
     page_size: int
     # Decode-only steps run the whole forward compiled by default, every bucket (where it measured
@@ -53,12 +54,13 @@ class DevicePolicy:
 CPU_POLICY = DevicePolicy(sdpa_lone_sequence=True, split_chunk_attention=True, grouped_decode_rows=True,
                           pool_wide_metadata=True, uniform_decode_rows=True, tile_options=False,
                           zero_copy_host_ints=True, host_sampling=True,
-                          decode_kernel_dtypes=frozenset({torch.int8, torch.float8_e4m3fn}), decode_kernel_keys=4096,
+                          decode_kernel_dtypes=frozenset({torch.int8, torch.float8_e4m3fn, torch.float32, torch.bfloat16}),
+                          lone_decode_kernel_keys=4096,
                           page_size=64, compile_decode=True)
 ACCELERATOR_POLICY = DevicePolicy(sdpa_lone_sequence=False, split_chunk_attention=False, grouped_decode_rows=False,
                                   pool_wide_metadata=False, uniform_decode_rows=False, tile_options=True,
                                   zero_copy_host_ints=False, host_sampling=False,
-                                  decode_kernel_dtypes=frozenset(), decode_kernel_keys=None,
+                                  decode_kernel_dtypes=frozenset(), lone_decode_kernel_keys=0,
                                   page_size=16)
 
 

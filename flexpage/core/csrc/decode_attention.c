@@ -259,38 +259,62 @@ static inline void attend_part(const float *q, const uint8_t *keys, const uint8_
     }
 }
 
-/* query [kv_heads, group, dim] float; pools [kv_heads, pool_slots, row] contiguous, each row a
- * token's values stored as ``format`` (quantised: then its bfloat16 scale); ``runs`` runs of
- * ``counts[r]`` keys from slot ``starts[r]``, ``width`` keys in all; ``lut``: the 256 float values
- * of float8 bytes (FLOAT8 only); out [kv_heads, group, dim].
+/* The decode tokens of ``rows`` sequences. query [rows, kv_heads, group, dim] float; pools
+ * [kv_heads, pool_slots, row] contiguous, each row a token's values stored as ``format``
+ * (quantised: then its bfloat16 scale); sequence ``r``'s keys lie in runs ``first_run[r]`` to
+ * ``first_run[r + 1]``, run ``i`` holding ``counts[i]`` keys from slot ``starts[i]``; ``lut``: the
+ * 256 float values of float8 bytes (FLOAT8 only); out [rows, kv_heads, group, dim].
  * Returns 0, or 1 for shapes it does not take, 2 where memory ran out. */
 int flexpage_decode_attention(const float *query, const uint8_t *key_pool, const uint8_t *value_pool,
-                              int64_t kv_heads, int64_t pool_slots, int64_t dim, int64_t group,
-                              const int64_t *starts, const int64_t *counts, int64_t runs, int64_t width,
+                              int64_t rows, int64_t kv_heads, int64_t pool_slots, int64_t dim, int64_t group,
+                              const int64_t *first_run, const int64_t *starts, const int64_t *counts,
                               float scale, int64_t part_keys, int format, const float *lut, float *out) {
-    if (group > MAX_GROUP || dim > MAX_DIM || width <= 0 || part_keys <= 0 || runs <= 0 || format < INT8
-        || format > BFLOAT16 || (format == FLOAT8 && !lut))
+    if (group > MAX_GROUP || dim > MAX_DIM || rows <= 0 || part_keys <= 0 || format < INT8 || format > BFLOAT16
+        || (format == FLOAT8 && !lut))
         return 1;
-    const int64_t parts = (width + part_keys - 1) / part_keys;
-    const int64_t padded = (group + 3) / 4 * 4;  /* query heads per KV head, padded with zeros */
-    float *q = calloc(kv_heads * padded * dim, sizeof(float));
-    float *m = malloc(sizeof(float) * kv_heads * parts * group);
-    float *l = malloc(sizeof(float) * kv_heads * parts * group);
-    float *acc = malloc(sizeof(float) * kv_heads * parts * group * dim);
-    if (!q || !m || !l || !acc) {
-        free(q); free(m); free(l); free(acc);
+    /* work items: (sequence, KV head, part of its keys), sequence by sequence */
+    int64_t items = 0;
+    int64_t *first_item = malloc(sizeof(int64_t) * (rows + 1)), *widths = malloc(sizeof(int64_t) * rows);
+    if (!first_item || !widths) {
+        free(first_item); free(widths);
         return 2;
     }
-    for (int64_t head = 0; head < kv_heads; head++)
+    for (int64_t r = 0; r < rows; r++) {
+        widths[r] = 0;
+        for (int64_t i = first_run[r]; i < first_run[r + 1]; i++) widths[r] += counts[i];
+        first_item[r] = items;
+        items += kv_heads * ((widths[r] + part_keys - 1) / part_keys);
+        if (widths[r] <= 0) {
+            free(first_item); free(widths);
+            return 1;
+        }
+    }
+    first_item[rows] = items;
+    const int64_t padded = (group + 3) / 4 * 4;  /* query heads per KV head, padded with zeros */
+    float *q = calloc(rows * kv_heads * padded * dim, sizeof(float));
+    float *m = malloc(sizeof(float) * items * group);
+    float *l = malloc(sizeof(float) * items * group);
+    float *acc = malloc(sizeof(float) * items * group * dim);
+    if (!q || !m || !l || !acc) {
+        free(first_item); free(widths); free(q); free(m); free(l); free(acc);
+        return 2;
+    }
+    for (int64_t head = 0; head < rows * kv_heads; head++)
         for (int64_t i = 0; i < group * dim; i++) q[head * padded * dim + i] = query[head * group * dim + i] * scale;
     const int64_t head_bytes = pool_slots * row_bytes(dim, format);
 #pragma omp parallel for schedule(static)
-    for (int64_t item = 0; item < kv_heads * parts; item++) {
-        const int64_t head = item / parts, part = item % parts;
-        const int64_t lo = part * part_keys, hi = lo + part_keys < width ? lo + part_keys : width;
-#define ATTEND(DIM, FORMAT) attend_part(q + head * padded * dim, key_pool + head * head_bytes,                    \
-                                        value_pool + head * head_bytes, DIM, group, starts, counts, runs, lo, hi, \
-                                        FORMAT, lut, m + item * group, l + item * group, acc + item * group * dim)
+    for (int64_t item = 0; item < items; item++) {
+        int64_t r = 0;
+        while (item >= first_item[r + 1]) r++;
+        const int64_t parts = (first_item[r + 1] - first_item[r]) / kv_heads;
+        const int64_t head = (item - first_item[r]) / parts, part = (item - first_item[r]) % parts;
+        const int64_t lo = part * part_keys, hi = lo + part_keys < widths[r] ? lo + part_keys : widths[r];
+        const int64_t *run_starts = starts + first_run[r], *run_counts = counts + first_run[r];
+        const int64_t runs = first_run[r + 1] - first_run[r];
+#define ATTEND(DIM, FORMAT) attend_part(q + (r * kv_heads + head) * padded * dim, key_pool + head * head_bytes,    \
+                                        value_pool + head * head_bytes, DIM, group, run_starts, run_counts, runs, \
+                                        lo, hi, FORMAT, lut, m + item * group, l + item * group,                 \
+                                        acc + item * group * dim)
 #define FORMATS(DIM) switch (format) {                                                    \
         case INT8: ATTEND(DIM, INT8); break;                                              \
         case FLOAT8: ATTEND(DIM, FLOAT8); break;                                          \
@@ -304,24 +328,29 @@ int flexpage_decode_attention(const float *query, const uint8_t *key_pool, const
 #undef FORMATS
 #undef ATTEND
     }
-    for (int64_t head = 0; head < kv_heads; head++) {
-        for (int64_t g = 0; g < group; g++) {
-            float top = -INFINITY, total = 0.0f;
-            for (int64_t part = 0; part < parts; part++) {
-                const float mp = m[(head * parts + part) * group + g];
-                top = mp > top ? mp : top;
+    /* each (sequence, KV head, query head): its parts merged by their maxima and sums */
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t parts = (first_item[r + 1] - first_item[r]) / kv_heads;
+        for (int64_t head = 0; head < kv_heads; head++) {
+            const int64_t first = first_item[r] + head * parts;
+            for (int64_t g = 0; g < group; g++) {
+                float top = -FLT_MAX, total = 0.0f;
+                for (int64_t part = 0; part < parts; part++) {
+                    const float mp = m[(first + part) * group + g];
+                    top = mp > top ? mp : top;
+                }
+                float *o = out + ((r * kv_heads + head) * group + g) * dim;
+                memset(o, 0, sizeof(float) * dim);
+                for (int64_t part = 0; part < parts; part++) {
+                    const int64_t at = (first + part) * group + g;
+                    const float weight = expf(m[at] - top);
+                    total += l[at] * weight;
+                    for (int64_t i = 0; i < dim; i++) o[i] += weight * acc[at * dim + i];
+                }
+                for (int64_t i = 0; i < dim; i++) o[i] /= total;
             }
-            float *o = out + (head * group + g) * dim;
-            memset(o, 0, sizeof(float) * dim);
-            for (int64_t part = 0; part < parts; part++) {
-                const int64_t at = (head * parts + part) * group + g;
-                const float weight = expf(m[at] - top);
-                total += l[at] * weight;
-                for (int64_t i = 0; i < dim; i++) o[i] += weight * acc[at * dim + i];
-            }
-            for (int64_t i = 0; i < dim; i++) o[i] /= total;
         }
     }
-    free(q); free(m); free(l); free(acc);
+    free(first_item); free(widths); free(q); free(m); free(l); free(acc);
     return 0;
 }
