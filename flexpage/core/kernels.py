@@ -3,7 +3,7 @@
 PyTorch's CPU attention takes keys in the query's dtype only, so int8 and float8 pages had to be
 dequantised into a float scratch before SDPA read them (an extra write and read of float32 per
 key), and its flash kernel, made for blocks of queries, spends on a decode token's few query rows
-about twice the time it takes to read float32 keys. ``csrc/decode_attention.c`` reads the stored
+about twice the time it takes to read float32 keys. ``decode_attention.c`` reads the stored
 values (float32, bfloat16, int8 or float8 with their scales) in place, each key converted once for
 every query head of its KV head. It is compiled with the
 system's C compiler for this machine's instruction set (as inductor compiles its CPU kernels),
@@ -34,7 +34,7 @@ from .quant import value_dim
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
+SOURCE = Path(__file__).with_name("decode_attention.c")
 # the kernel's ``enum format`` for each pool dtype it reads
 FORMATS = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float32: 2, torch.bfloat16: 3}
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
