@@ -1,15 +1,15 @@
-"""A C kernel for one decode token's attention over its pages on the CPU, compiled on first use.
+"""A C kernel for decode tokens' attention over their pages on the CPU, compiled on first use.
 
 PyTorch's CPU attention takes keys in the query's dtype only, so int8 and float8 pages had to be
 dequantised into a float scratch before SDPA read them (an extra write and read of float32 per
-key), and its flash kernel, made for blocks of queries, spends on a decode token's few query rows
-about twice the time it takes to read float32 keys. ``decode_attention.c`` reads the stored
-values (float32, bfloat16, int8 or float8 with their scales) in place, each key converted once for
-every query head of its KV head. It is compiled with the
-system's C compiler for this machine's instruction set (as inductor compiles its CPU kernels),
-cached beside flexpage's compiled graphs, and loaded with ``ctypes``; its OpenMP threads are
-torch's own (the same ``libgomp`` is already loaded). Where it cannot be built, ``decode_attention``
-returns None and the caller takes SDPA (over dequantised keys for quantised pages).
+key), and its kernels, made for blocks of queries, spend on a decode token's few query rows about
+twice the time it takes to read float32 keys. ``decode_attention.c`` reads the stored values
+(float32, bfloat16, int8 or float8 with their scales) in place, each key converted once for every
+query head of its KV head, a batch of decode tokens in one call. It is compiled with the system's
+C compiler for this machine's instruction set (as inductor compiles its CPU kernels), cached
+beside flexpage's compiled graphs, and loaded with ``ctypes``; its OpenMP threads are torch's own
+(the same ``libgomp`` is already loaded). Where it cannot be built, ``decode_attention`` returns
+None and the caller takes SDPA or FlexAttention (over dequantised keys for quantised pages).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -64,7 +65,7 @@ def _cpu_flags() -> str:
                 return line
     except OSError:
         pass
-    return os.uname().machine
+    return platform.machine()
 
 
 def _build(cc: str) -> Path:
