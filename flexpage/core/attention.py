@@ -11,7 +11,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from .compile import compile_static
-from .masks import PackedBlockMask, ScoreMod, SequenceKV, StaticDecodeMask, run_arrays, static_mask_at
+from .masks import PackedBlockMask, ScoreMod, SequenceKV, StaticDecodeMask, static_mask_at
 from .host import cdiv
 from .kernels import decode_attention
 from .policy import device_policy
@@ -141,7 +141,7 @@ def sequence_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, kv: 
     policy = device_policy(query.device)
     if (query.shape[2] == 1 and key_pool.dtype in policy.decode_kernel_dtypes
             and (is_quantised(key_pool) or kv.width >= policy.lone_decode_kernel_keys)):
-        out = decode_attention(query, key_pool, value_pool, *run_arrays([kv.key_runs()]), scale)  # values in place
+        out = decode_attention(query, key_pool, value_pool, *kv.kernel_runs, scale)  # the values in place
         if out is not None:
             return out
     if kv.runs and not is_quantised(key_pool):
@@ -161,7 +161,7 @@ def sequence_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, kv: 
         keys = dequantise_into(keys, scratch_pool(key_pool, query.dtype, "keys")[:, :, : kv.width])
         values = dequantise_into(values, scratch_pool(value_pool, query.dtype, "values")[:, :, : kv.width])
     batch, heads, n, _ = query.shape
-    if kv.earlier and device_policy(query.device).split_chunk_attention:  # the keys as one run
+    if kv.earlier and policy.split_chunk_attention:  # the keys as one run
         return _runs_attention(query, keys, values, ((0, kv.width),), kv.width, scale)
     if n == 1 and heads != keys.shape[1]:  # a decode token sees every key
         out = F.scaled_dot_product_attention(_heads_folded(query, keys.shape[1]), keys, values, scale=scale)

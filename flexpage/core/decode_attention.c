@@ -236,7 +236,7 @@ static inline int64_t slot_of(const int64_t *starts, const int64_t *counts, int6
 static inline void attend_part(const float *q, const uint8_t *keys, const uint8_t *values, int64_t dim,
                                int64_t group, const int64_t *starts, const int64_t *counts, int64_t runs,
                                int64_t lo, int64_t hi, int format, const float *lut, float *m, float *l, float *acc) {
-    float converted[BLOCK][MAX_DIM] = {{0}};
+    float converted[BLOCK][MAX_DIM];  /* only the block's first n rows are ever read */
     float scores[MAX_GROUP][BLOCK];
     float key_scale[BLOCK + 8], value_scale[BLOCK];
     int64_t slots[BLOCK];

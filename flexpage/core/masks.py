@@ -13,6 +13,7 @@ sequence), as the library in ``flexpage.mods`` is.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from dataclasses import dataclass
@@ -223,6 +224,11 @@ class SequenceKV:
         slots = self.slots.cpu()
         firsts = [0, *((slots[1:] != slots[:-1] + 1).nonzero().flatten() + 1).tolist(), self.width]
         return tuple((int(slots[a]), b - a) for a, b in zip(firsts, firsts[1:]))
+
+    @functools.cached_property
+    def kernel_runs(self) -> tuple[Tensor, Tensor]:
+        """``run_arrays`` of these keys, built once: every layer's decode token reads them."""
+        return run_arrays([self.key_runs()])
 
     @classmethod
     def for_row(cls, page_table: PageTable, row: int, window: int | None, queries: int = 1) -> "SequenceKV":
