@@ -10,7 +10,9 @@ import torch.nn.functional as F
 
 import flexpage
 from flexpage import zoo
-from flexpage.core import linear
+from flexpage.hf import cache_argument
+from flexpage import PagedKVCache
+from flexpage.core import kernels, linear
 from flexpage.core.linear import MAX_ROWS, FewRowLinears, fast_linear, onednn_linear, pack_weight, transposed_linear
 
 
@@ -74,10 +76,10 @@ def test_kernels_are_timed_on_real_calls_then_kept_per_weight_shape_and_row_buck
             x = torch.randn(rows, 16)
             torch.testing.assert_close(fast_linear(x, weight, None), x @ weight.t(), rtol=1e-5, atol=1e-5)
     assert used == names * linear.TRIALS + [fast, fast, names[0], fast, fast]  # the bucket-2 call opens its own trial
-    assert list(linear.ranking) == [(32, 16, False, 4, threads, False)]
-    assert linear.ranking[(32, 16, False, 4, threads, False)][0] == fast
-    assert sorted(linear.ranking[(32, 16, False, 4, threads, False)]) == sorted(names)
-    assert list(linear.trials) == [(32, 16, False, 2, threads, False)]
+    assert list(linear.ranking) == [(32, 16, False, 4, threads, "float32", False)]
+    assert linear.ranking[(32, 16, False, 4, threads, "float32", False)][0] == fast
+    assert sorted(linear.ranking[(32, 16, False, 4, threads, "float32", False)]) == sorted(names)
+    assert list(linear.trials) == [(32, 16, False, 2, threads, "float32", False)]
     decided = dict(linear.ranking)
     used.clear()
     with torch.no_grad():
@@ -95,12 +97,12 @@ def test_kernels_are_timed_on_real_calls_then_kept_per_weight_shape_and_row_buck
             fast_linear(torch.randn(4, 16), weight, None)
         finally:
             torch.set_num_threads(threads)
-    assert used == [names[0], names[0]] and (32, 16, False, 4, threads + 1, False) in linear.trials
+    assert used == [names[0], names[0]] and (32, 16, False, 4, threads + 1, "float32", False) in linear.trials
 
 
 def test_rankings_of_another_cpu_or_a_broken_file_are_not_taken(fresh_choices):
     path = linear.rankings_file()
-    key = f"8,4,0,2,{torch.get_num_threads()},0"
+    key = f"8,4,0,2,{torch.get_num_threads()},float32,0"
     path.write_text(json.dumps({"Another CPU | torch 0 | plain, transposed": {key: ["transposed", "plain"]}}))
     linear.load_rankings()
     assert linear.ranking == {}
@@ -109,7 +111,7 @@ def test_rankings_of_another_cpu_or_a_broken_file_are_not_taken(fresh_choices):
         linear.load_rankings()
         assert linear.ranking == {}
     order = tuple(reversed(linear.candidates(packed=False)))
-    linear.ranking[(8, 4, False, 2, torch.get_num_threads(), False)] = order
+    linear.ranking[(8, 4, False, 2, torch.get_num_threads(), "float32", False)] = order
     linear.save_rankings()  # a broken file is replaced
     saved = json.loads(path.read_text())
     assert list(saved) == [linear._machine()] and saved[linear._machine()] == {key: list(order)}
@@ -212,7 +214,7 @@ def test_a_compiled_forward_takes_the_traceable_kernel_measured_fastest(fresh_ch
         linear.KERNELS["plain"] = _slowed(linear.KERNELS["plain"], 0.024)
         linear.KERNELS["transposed"] = _slowed(linear.KERNELS["transposed"], 0.012)
         linears.measure(3)  # row buckets 1, 2, 4 of both weight shapes, each met once per sweep
-        assert linear.ranking == {(24, n, b, r, torch.get_num_threads(), False): ("onednn", "transposed", "plain")
+        assert linear.ranking == {(24, n, b, r, torch.get_num_threads(), "float32", False): ("onednn", "transposed", "plain")
                                   for n, b in ((16, True), (24, False)) for r in (1, 2, 4)}
         assert not linear.trials
     traced = []
@@ -254,3 +256,74 @@ def test_a_compiled_forward_reads_the_packed_copies_through_one_opaque_op(fresh_
         model[1].weight.mul_(2)  # in place: the copy is taken again on the next call
         torch.testing.assert_close(compiled(x).double(), reference(), rtol=1e-5, atol=1e-5)
     linears.remove()
+
+
+needs_bf16_kernel = pytest.mark.skipif(not kernels.bf16_linear_available(),
+                                       reason="flexpage's bfloat16 kernel is built for AVX512-BF16 cores only")
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize("shape, out_features, bias", [((1, 512), 512, False), ((2, 64), 96, True),
+                                                       ((3, 100), 37, True), ((1, 5, 1536), 24, False),
+                                                       ((1, 47), 5, True), ((9, 64), 16, True)])
+def test_the_bfloat16_kernel_is_the_exact_product_rounded_once(shape, out_features, bias):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g).bfloat16()
+    weight = torch.randn(out_features, shape[-1], generator=g).bfloat16()
+    b = torch.randn(out_features, generator=g).bfloat16() if bias else None
+    out = linear.bf16_linear(x, weight, b)
+    exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    magnitude = F.linear(x.double().abs(), weight.double().abs()) + (0 if b is None else b.double().abs())
+    assert out.shape == exact.shape and out.dtype == torch.bfloat16
+    # float32 sums (their error a few float32 steps of the terms' magnitude), rounded to bfloat16 once
+    assert ((out.double() - exact).abs() <= exact.abs() * 2**-8 + magnitude * 2**-20).all()
+    assert (out == F.linear(x, weight, b)).float().mean() >= 0.98  # oneDNN's float32 sums, rounded the same way
+    columns = torch.randn(shape[-1], 7, generator=g).bfloat16().t()  # rows not contiguous
+    assert torch.equal(linear.bf16_linear(columns, weight, b), linear.bf16_linear(columns.contiguous(), weight, b))
+
+
+def test_the_bfloat16_kernel_is_timed_for_bfloat16_weights_only_where_it_is_built(monkeypatch):
+    monkeypatch.setattr(linear, "_bf16_kernel", lambda: True)
+    assert "bf16" in linear.candidates(False, torch.bfloat16)
+    assert "bf16" not in linear.candidates(False, torch.float32)
+    monkeypatch.setenv("CC", "/bin/false")  # a compiler that fails: no library, no kernel
+    assert not kernels.bf16_linear_available()
+    monkeypatch.undo()
+    monkeypatch.setenv("CC", "/bin/false")
+    assert "bf16" not in linear.candidates(False, torch.bfloat16)
+    x, weight = torch.randn(2, 64).bfloat16(), torch.randn(32, 64).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(fast_linear(x, weight, None), F.linear(x, weight))  # the library GEMMs still serve
+
+
+@needs_bf16_kernel
+def test_a_bfloat16_paged_model_through_the_kernel_is_as_close_to_float32_as_stock_bfloat16(fresh_choices,
+                                                                                            monkeypatch):
+    """Every bfloat16 linear of a wrapped model's paged forwards by the kernel (the only candidate):
+    its logits, teacher-forced on float32 stock's greedy tokens, stay as close to float32's as
+    stock bfloat16's, and predict float32's next token as often."""
+    used = []
+    monkeypatch.setitem(linear.KERNELS, "bf16", lambda x, w, b: used.append(x.numel() // x.shape[-1]) or
+                        linear.bf16_linear(x, w, b))
+    monkeypatch.setattr(linear, "candidates", lambda packed, dtype=torch.float32:
+                        ("bf16",) if dtype == torch.bfloat16 else ("plain",))
+    exact, stock = zoo.build("llama-tiny"), zoo.build("llama-tiny", dtype=torch.bfloat16)
+    model = flexpage.wrap(zoo.build("llama-tiny", dtype=torch.bfloat16), compile_decode=False)
+    prompt = torch.randint(3, exact.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    tokens = exact.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=False,
+                            pad_token_id=0)
+    cache = PagedKVCache(model.config, page_size=16, num_pages=8, max_batch_size=1, dtype=torch.bfloat16)
+    paged, seen = [], 0
+    with torch.no_grad():
+        for end in range(prompt.shape[1], tokens.shape[1]):  # the prompt, then one token at a time
+            out = model(input_ids=tokens[:, seen:end], attention_mask=torch.ones(1, end, dtype=torch.long),
+                        position_ids=torch.arange(seen, end)[None], **{cache_argument(model): cache})
+            paged.append(out.logits[0, -1].float())
+            seen = end
+        want = exact(tokens).logits[0, prompt.shape[1] - 1 : -1]
+        plain = stock(tokens).logits[0, prompt.shape[1] - 1 : -1].float()
+    paged = torch.stack(paged)
+    assert used.count(1) >= 23 * model.config.num_hidden_layers  # every decode token's layers
+    assert (paged - want).abs().max() <= 1.5 * (plain - want).abs().max()
+    agreement = (paged.argmax(-1) == tokens[0, prompt.shape[1]:]).float().mean()
+    assert agreement >= (plain.argmax(-1) == tokens[0, prompt.shape[1]:]).float().mean() - 0.05

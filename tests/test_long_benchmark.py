@@ -9,6 +9,7 @@ import torch
 import flexpage
 from flexpage import zoo
 from flexpage.bench import long
+from flexpage.bench.roofline import as_bytes
 from notebook_runner import run_notebook
 
 
@@ -26,14 +27,15 @@ def test_a_filled_context_decodes_as_stock_over_the_same_kv():
     assert cache.seq_length(cache.batch_rows[0]) == 101
 
 
-def test_the_roofline_reads_a_quantised_pools_bytes_as_words():
+def test_the_roofline_reads_a_quantised_pools_bytes():
     cache = flexpage.PagedKVCache(num_layers=1, num_kv_heads=2, head_dim=64, page_size=16, num_pages=4,
                                   max_batch_size=1, kv_dtype="int8")
-    pool = cache.layers[0].keys
-    words = long.pool_words([pool[:, :, :40]])
-    assert sum(w.numel() * w.element_size() for w in words) == 2 * 40 * (64 + 2)  # each head's 40 tokens, scales too
-    assert all(w.dtype == torch.float32 and w.untyped_storage().data_ptr() == pool.untyped_storage().data_ptr()
-               for w in words)  # views of the pool: the very bytes a step reads
+    pool = cache.layers[0].keys[:, :, :40]
+    read = as_bytes(pool)
+    assert read.numel() == 2 * 40 * (64 + 2)  # each head's 40 tokens, scales too
+    assert read.untyped_storage().data_ptr() == pool.untyped_storage().data_ptr()  # the very bytes a step reads
+    weight = torch.randn(3, 5, dtype=torch.bfloat16)
+    assert as_bytes(weight).numel() == weight.nbytes and as_bytes(torch.tensor(1.0)).numel() == 4
 
 
 @pytest.mark.slow  # a benchmark and its notebook

@@ -85,23 +85,6 @@ def fill_stock(model: PreTrainedModel, context: int, seed: int) -> DynamicCache:
     return cache
 
 
-def pool_words(pools: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each head's rows of each pool slice ``[1, heads, tokens, width]`` as float32 words: the same
-    bytes, in a dtype whose ``sum`` is a bandwidth-bound read (an int8 or float8 sum is not); up to
-    three trailing elements of each head are left out."""
-    rows = [pool[0, h].reshape(-1) for pool in pools for h in range(pool.shape[1])]
-    return [row[: row.numel() // 4 * 4].view(torch.float32) for row in rows]
-
-
-def roofline_ms(tensors: list[torch.Tensor]) -> float:
-    """``read_ms`` of ``tensors`` with denormals flushed (quantised bytes read as floats hold some)."""
-    torch.set_flush_denormal(True)
-    try:
-        return read_ms(tensors)
-    finally:
-        torch.set_flush_denormal(False)
-
-
 def decode_ms(model: PreTrainedModel, cache, steps: int, seed: int) -> list[float]:
     """Each of ``steps`` one-token forwards over ``cache`` (greedy: each feeds the last one's argmax)."""
     token = torch.randint(3, model.config.vocab_size, (1, 1), generator=torch.Generator().manual_seed(seed))
@@ -229,7 +212,7 @@ def decode_cells(args: argparse.Namespace) -> None:
                         kv = [pool[:, :, start:end] for layer in cache.layers for pool in (layer.keys, layer.values)]
                         every_page = end * cache.bytes_per_token
                     weights = weight_tensors(model)
-                    roof = roofline_ms(weights + (kv if config == "stock" else pool_words(kv)))
+                    roof = read_ms(weights + kv)
                     kv_bytes = sum(t.numel() * t.element_size() for t in kv)
                     record = {"config": config, "length": length, "round": round_,
                               "ms": round(statistics.median(times), 3), "roofline_ms": round(roof, 3),

@@ -3,7 +3,7 @@
 A decode step must read every weight it multiplies and the live K/V at least once, so it cannot take
 less than those bytes over the speed at which the machine reads memory. For each dtype and context
 length L, in one process: the roofline of a step of B sequences — the time of one bandwidth-bound
-reduction (``sum``) over the very same tensors: the model's weights (the embedding table counted only
+reduction (``max`` over their bytes) over the very same tensors: the model's weights (the embedding table counted only
 where the LM head reads it) and B x L tokens' K/V in a cache pool — and each configuration's decode
 time. At batch 1: stock ``generate()`` (dynamic cache), ``wrap``, ``wrap(compile_decode=True)`` (ms per
 token: the median gap between generated tokens) and an Engine serving one request; at batch B > 1 an
@@ -58,13 +58,21 @@ def kv_tensors(cache: flexpage.PagedKVCache, tokens: int) -> list[torch.Tensor]:
     return [pool[:, :, :tokens] for layer in cache.layers for pool in (layer.keys, layer.values)]
 
 
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bytes as a ``uint8`` view (no copy): float, bfloat16 and quantised pages alike."""
+    return (tensor if tensor.dim() else tensor.reshape(1)).view(torch.uint8)
+
+
 def read_ms(tensors: list[torch.Tensor], repeats: int = 5) -> float:
-    """The median time of one ``sum`` over each tensor: how long this machine takes to read them."""
+    """The median time of one reduction (``max``) over each tensor's bytes: how long this machine
+    takes to read them. Bytes, not values: a ``sum`` over bfloat16 converts every value and runs
+    below the read speed."""
+    views = [as_bytes(tensor) for tensor in tensors]
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
-        for tensor in tensors:
-            tensor.sum()
+        for tensor in views:
+            tensor.max()
         samples.append((time.perf_counter() - start) * 1e3)
     return statistics.median(samples)
 

@@ -1,4 +1,4 @@
-"""A C kernel for decode tokens' attention over their pages on the CPU, compiled on first use.
+"""C kernels for the CPU, compiled on first use: decode attention over pages, bfloat16 linears.
 
 PyTorch's CPU attention takes keys in the query's dtype only, so int8 and float8 pages had to be
 dequantised into a float scratch before SDPA read them (an extra write and read of float32 per
@@ -10,6 +10,10 @@ C compiler for this machine's instruction set (as inductor compiles its CPU kern
 beside flexpage's compiled graphs, and loaded with ``ctypes``; its OpenMP threads are torch's own
 (the same ``libgomp`` is already loaded). Where it cannot be built, ``decode_attention`` returns
 None and the caller takes SDPA or FlexAttention (over dequantised keys for quantised pages).
+
+``bf16_linear.c`` multiplies a few bfloat16 rows by a bfloat16 weight with AVX512-BF16 dot
+products, reading the weight once (``bf16_linear``; ``linear.fast_linear`` times it against the
+library GEMMs). It is built the same way, and offered only where the compiler targets AVX512-BF16.
 """
 
 from __future__ import annotations
@@ -35,14 +39,25 @@ from .quant import value_dim
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("decode_attention.c")
+Signature = tuple[list, type]  # an entry point's ctypes argument types and result type
+_POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
+# each kernel library: its entry points' signatures
+ENTRY_POINTS: dict[str, dict[str, Signature]] = {
+    "decode_attention": {"flexpage_decode_attention": (
+        [_POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE, _SIZE, _SIZE, _POINTER, _POINTER, _POINTER,
+         ctypes.c_float, _SIZE, ctypes.c_int, _POINTER, _POINTER], ctypes.c_int)},
+    "bf16_linear": {"flexpage_bf16_linear": ([_POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE, _POINTER],
+                                              ctypes.c_int),
+                    "flexpage_bf16_linear_built": ([], ctypes.c_int)},
+}
 # the kernel's ``enum format`` for each pool dtype it reads
 FORMATS = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float32: 2, torch.bfloat16: 3}
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 PART_KEYS = 256  # fewest keys a thread's part takes: a part's merge costs a few vectors
 
 _lock = threading.Lock()
-_libraries: dict[str | None, ctypes.CDLL | None] = {}  # per compiler: its library, or None where it failed
+# per (library, compiler): the loaded library, or None where it failed
+_libraries: dict[tuple[str, str | None], ctypes.CDLL | None] = {}
 _fp8_values: dict[torch.device, Tensor] = {}
 
 
@@ -68,49 +83,69 @@ def _cpu_flags() -> str:
     return platform.machine()
 
 
-def _build(cc: str) -> Path:
-    """The kernel's shared library, compiled unless this source, compiler and CPU built it before."""
-    source = SOURCE.read_bytes()
+def _build(name: str, cc: str) -> Path:
+    """Library ``name``'s shared object, compiled unless this source, compiler and CPU built it before."""
+    source_path = Path(__file__).with_name(f"{name}.c")
+    source = source_path.read_bytes()
     digest = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode()]))
-    path = artifact_dir() / "kernels" / f"decode_attention-{digest.hexdigest()[:16]}.so"
+    path = artifact_dir() / "kernels" / f"{name}-{digest.hexdigest()[:16]}.so"
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:  # built aside, then moved in whole
         built = Path(scratch) / path.name
-        subprocess.run([cc, *FLAGS, "-o", str(built), str(SOURCE), "-lm"], check=True, capture_output=True,
+        subprocess.run([cc, *FLAGS, "-o", str(built), str(source_path), "-lm"], check=True, capture_output=True,
                        text=True, timeout=120)
         os.replace(built, path)
     return path
 
 
-def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, built on first use by ``compiler()``; None where it cannot be
-    (no C compiler, a failed build: logged once per compiler)."""
-    cc = compiler()
-    if cc not in _libraries:
+def library(name: str = "decode_attention") -> ctypes.CDLL | None:
+    """Kernel library ``name`` (a key of ``ENTRY_POINTS``), built on first use by ``compiler()``;
+    None where it cannot be (no C compiler, a failed build: logged once per library and compiler)."""
+    key = name, compiler()
+    if key not in _libraries:
         with _lock:
-            if cc not in _libraries:
-                _libraries[cc] = _load(cc)
-    return _libraries[cc]
+            if key not in _libraries:
+                _libraries[key] = _load(*key)
+    return _libraries[key]
 
 
-def _load(cc: str | None) -> ctypes.CDLL | None:
+def _load(name: str, cc: str | None) -> ctypes.CDLL | None:
     try:
         if cc is None:
             raise FileNotFoundError("no C compiler on the path (set $CC)")
-        lib = ctypes.CDLL(str(_build(cc)))
+        lib = ctypes.CDLL(str(_build(name, cc)))
     except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", None) or error
-        log.warning("flexpage: decode tokens are attended by SDPA (quantised pages dequantised first): the C "
-                    "kernel could not be built (%s)", detail)
+        log.warning("flexpage: the C kernel %s could not be built (%s); %s", name, detail, FALLBACKS[name])
         return None
-    entry = lib.flexpage_decode_attention
-    pointer, size = ctypes.c_void_p, ctypes.c_int64
-    entry.argtypes = [pointer, pointer, pointer, size, size, size, size, size, pointer, pointer, pointer,
-                      ctypes.c_float, size, ctypes.c_int, pointer, pointer]
-    entry.restype = ctypes.c_int
+    for entry, (argtypes, restype) in ENTRY_POINTS[name].items():
+        getattr(lib, entry).argtypes, getattr(lib, entry).restype = argtypes, restype
     return lib
+
+
+FALLBACKS = {"decode_attention": "decode tokens are attended by SDPA (quantised pages dequantised first)",
+             "bf16_linear": "bfloat16 linears keep the library GEMMs"}
+
+
+def bf16_linear_available() -> bool:
+    """Whether ``bf16_linear`` runs here: its library built, for a CPU with AVX512-BF16."""
+    lib = library("bf16_linear")
+    return lib is not None and bool(lib.flexpage_bf16_linear_built())
+
+
+def bf16_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``F.linear(x, weight, bias)`` for bfloat16 CPU tensors (``weight`` contiguous), by
+    ``bf16_linear.c``; only where ``bf16_linear_available()``. Sums in float32, rounded once."""
+    lib = library("bf16_linear")
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty(flat.shape[0], weight.shape[0], dtype=torch.bfloat16)
+    status = lib.flexpage_bf16_linear(flat.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                                      flat.shape[0], weight.shape[1], weight.shape[0], out.data_ptr())
+    if status:
+        raise RuntimeError(f"flexpage_bf16_linear failed with status {status}")
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def _fp8_table(device: torch.device) -> Tensor:

@@ -1,10 +1,12 @@
 """Linear layers of paged forwards through whichever CPU GEMM is fastest for their shape.
 
 A paged step multiplies every linear layer's weight by a few rows (a decode step: one per
-sequence) or a few hundred (a prefill chunk). On the CPU the same float32 product runs at very
-different speeds through different kernels, and which one wins depends on the CPU and the row
-count: MKL's ``x @ W.T``, MKL's ``(W @ x.T).T`` and oneDNN's matmul on the weight as it is (the
-README's "How it works" gives the figures, which go opposite ways on AMD and Intel cores). So
+sequence) or a few hundred (a prefill chunk). On the CPU the same float32 or bfloat16 product runs
+at very different speeds through different kernels, and which one wins depends on the CPU and the
+row count: MKL's ``x @ W.T``, MKL's ``(W @ x.T).T``, oneDNN's matmul on the weight as it is and,
+for bfloat16 on AVX512-BF16 cores, flexpage's own few-row kernel (``kernels.bf16_linear``: twice
+oneDNN's speed for one row; the README's "How it works" gives the figures, which go opposite ways
+on AMD and Intel cores). So
 ``fast_linear`` times the kernels, alternated, on the first calls that meet a weight shape with a
 given number of rows (rounded up to a power of two), and uses the fastest from then on, in this
 process and, through ``rankings_file()``, in later ones on this CPU with this torch. The timed
@@ -35,13 +37,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .compile import artifact_dir
 
 MAX_ROWS = 1 << 16  # a batched prefill's rows (b8 x 1024 tokens: oneDNN 25% faster than F.linear); above, F.linear untimed
 PACK_MEMORY_SHARE = 0.25  # packed copies are taken by default when they need at most this share of free memory
 TRIALS = 4  # calls timed with each kernel, alternated, before a (weight shape, row bucket) is decided
 
-Key = tuple[int, int, bool, int, int, bool]  # (out_features, in_features, has bias, row bucket, threads, packed)
+# (out_features, in_features, has bias, row bucket, threads, dtype name, packed)
+Key = tuple[int, int, bool, int, int, str, bool]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # the dtypes whose products are timed
 Kernel = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 ranking: dict[Key, tuple[str, ...]] = {}  # decided keys -> kernel names, fastest first
 trials: dict[Key, dict[str, list[float]]] = {}  # keys on trial -> seconds of each kernel's timed calls
@@ -71,11 +76,29 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+@torch.library.custom_op("flexpage::bf16_linear", mutates_args=())
+def bf16_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``kernels.bf16_linear`` as one opaque op of a compiled forward."""
+    return kernels.bf16_linear(x, weight, bias)
+
+
+@bf16_linear_op.register_fake
+def _bf16_linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` by flexpage's bfloat16 kernel (AVX512-BF16 cores): the weight streamed once
+    for all rows; through the custom op while tracing, directly otherwise (no dispatch cost)."""
+    return (bf16_linear_op if torch.compiler.is_compiling() else kernels.bf16_linear)(x, weight, bias)
+
+
 KERNELS: dict[str, Kernel] = {"plain": plain_linear, "transposed": transposed_linear}
 if torch.backends.mkldnn.is_available():
     KERNELS["onednn"] = onednn_linear
     KERNELS["onednn_packed"] = onednn_linear  # given the layer's packed copy (``pack_weight``) as its weight
-TRACEABLE = ("plain", "transposed", "onednn_packed")  # the kernels a compiled forward can take
+KERNELS["bf16"] = bf16_linear  # bfloat16 only, where ``kernels.bf16_linear_available()``
+TRACEABLE = ("plain", "transposed", "onednn_packed", "bf16")  # the kernels a compiled forward can take
 # packed copies a compiled forward reads through ``flexpage::packed_linear``, by their weight's address
 _PACKED: dict[int, tuple["FewRowLinears", nn.Linear]] = {}
 
@@ -109,15 +132,25 @@ def available_memory() -> int:
     return psutil.virtual_memory().available
 
 
-def candidates(packed: bool) -> tuple[str, ...]:
-    """The kernels timed for a layer: with a packed copy, oneDNN runs on it instead of the weight."""
-    return tuple(name for name in KERNELS if name != ("onednn" if packed else "onednn_packed"))
+def candidates(packed: bool, dtype: torch.dtype = torch.float32) -> tuple[str, ...]:
+    """The kernels timed for a layer of ``dtype``: with a packed copy, oneDNN runs on it instead of
+    the weight; flexpage's bfloat16 kernel for bfloat16 weights where it is built."""
+    skip = {"onednn" if packed else "onednn_packed"}
+    if dtype != torch.bfloat16 or not _bf16_kernel():
+        skip.add("bf16")
+    return tuple(name for name in KERNELS if name not in skip)
+
+
+@torch.compiler.assume_constant_result
+def _bf16_kernel() -> bool:
+    return kernels.bf16_linear_available()
 
 
 def row_key(rows: int, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool = False) -> Key:
     """The key under which a product of ``rows`` rows through ``weight`` (with a packed copy or
     not) is decided, on as many threads as torch uses now."""
-    return weight.shape[0], weight.shape[1], bias is not None, 1 << (rows - 1).bit_length(), _threads(), packed
+    return (weight.shape[0], weight.shape[1], bias is not None, 1 << (rows - 1).bit_length(), _threads(),
+            str(weight.dtype).removeprefix("torch."), packed)
 
 
 @torch.compiler.assume_constant_result  # a trace takes the count it was traced at, as a constant
@@ -127,14 +160,15 @@ def _threads() -> int:
 
 def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 packed: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for float32 CPU inputs of 1..``MAX_ROWS`` rows, without
+    """``F.linear(x, weight, bias)`` for float32 or bfloat16 CPU inputs of 1..``MAX_ROWS`` rows, without
     autograd, through the kernel measured fastest for this weight shape and row bucket (timing
     this very call while that is undecided); otherwise ``F.linear``. ``packed`` is the weight's
     ``pack_weight`` copy, if it has one. A compiled forward takes the fastest traceable kernel
     measured beforehand, or ``F.linear`` if none was."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (not 1 <= rows <= MAX_ROWS or x.device.type != "cpu" or not x.dtype == weight.dtype == torch.float32
-            or torch.is_grad_enabled()):
+    if (not 1 <= rows <= MAX_ROWS or x.device.type != "cpu" or x.dtype != weight.dtype
+            or x.dtype not in DTYPES.values() or bias is not None and bias.dtype != x.dtype
+            or not weight.is_contiguous() or torch.is_grad_enabled()):
         return F.linear(x, weight, bias)
     if torch.compiler.is_compiling():  # nothing to time while tracing: the kernel measured beforehand
         return KERNELS[traced_kernel(rows, weight, bias, packed is not None)](x, weight, bias)
@@ -162,7 +196,7 @@ def _timed(key: Key, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
            packed: torch.Tensor | None) -> torch.Tensor:
     """The product by the kernel ``key`` has timed fewest calls of, timed; once every kernel has
     ``TRIALS`` calls ``key`` is decided, kernels ranked by their fastest call."""
-    times = trials.setdefault(key, {name: [] for name in candidates(packed is not None)})
+    times = trials.setdefault(key, {name: [] for name in candidates(packed is not None, weight.dtype)})
     name = min(times, key=lambda name: len(times[name]))
     start = time.perf_counter()
     out = _run(name, x, weight, bias, packed)
@@ -202,9 +236,10 @@ def load_rankings() -> None:
         saved = json.loads(rankings_file().read_text())[_machine()]
         found = {}
         for key, names in saved.items():
-            out, inp, bias, bucket, threads, packed = (int(part) for part in key.split(","))
-            if sorted(names) == sorted(candidates(bool(packed))):
-                found[out, inp, bool(bias), bucket, threads, bool(packed)] = tuple(names)
+            *sizes, dtype, packed = key.split(",")
+            out, inp, bias, bucket, threads = (int(part) for part in sizes)
+            if sorted(names) == sorted(candidates(bool(int(packed)), DTYPES[dtype])):
+                found[out, inp, bool(bias), bucket, threads, dtype, bool(int(packed))] = tuple(names)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none saved, or not ours to read
         return
     for key, names in found.items():
@@ -221,7 +256,8 @@ def save_rankings() -> None:
     if not isinstance(saved, dict) or not isinstance(saved.get(_machine(), {}), dict):
         saved = {}  # a file not in this format is replaced
     mine = saved.setdefault(_machine(), {})
-    mine.update({",".join(str(int(part)) for part in key): list(names) for key, names in ranking.items()})
+    mine.update({",".join(str(part if isinstance(part, str) else int(part)) for part in key): list(names)
+                 for key, names in ranking.items()})
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
@@ -287,14 +323,15 @@ class FewRowLinears:
         forward that cannot time its own calls (``wrap(compile_decode=True)``: its decode forward
         is traced, not run): random rows go through the layers in model order, as in a forward
         (each weight as cold in cache), sweep after sweep until every such key is decided."""
-        layers = [layer for layer in self.layers if layer.weight.dtype == torch.float32]
+        layers = [layer for layer in self.layers if layer.weight.dtype in DTYPES.values()]
         with torch.no_grad():
             for bucket in range((min(max_rows, MAX_ROWS) - 1).bit_length() + 1):
                 for _ in range(len(KERNELS) * TRIALS):  # a shape met once per sweep is decided after the last
                     for layer in layers:
                         packed = self.packed(layer)
                         if row_key(1 << bucket, layer.weight, layer.bias, packed is not None) not in ranking:
-                            fast_linear(torch.randn(1 << bucket, layer.in_features), layer.weight, layer.bias, packed)
+                            fast_linear(torch.randn(1 << bucket, layer.in_features, dtype=layer.weight.dtype),
+                                        layer.weight, layer.bias, packed)
 
     def traced_kernels(self, rows: int) -> tuple[str, ...]:
         """The kernel a traced forward of ``rows`` rows takes in each layer (``fast_linear``): what a
