@@ -102,8 +102,9 @@ def wrap(
     (logits within float rounding of eager's).
 
     ``few_row_linears`` (the default) lets the linear layers of paged forwards on the CPU, when
-    they get 1-65536 rows, take whichever of MKL's ``x @ W.T``, MKL's ``(W @ x.T).T`` and oneDNN's
-    matmul measured fastest for that weight shape and row count on this CPU (``flexpage.core.linear``;
+    they get 1-65536 rows, take whichever of MKL's ``x @ W.T``, MKL's ``(W @ x.T).T``, oneDNN's
+    matmul and (bfloat16 on AVX512-BF16 cores) flexpage's few-row kernel measured fastest for that
+    weight shape and row count on this CPU (``flexpage.core.linear``;
     last-bit differences, as paged attention has); the model's plain forwards are untouched. With
     ``compile_decode`` the kernels are timed when wrapping (each weight shape at 1 to
     ``max_batch_size`` rows, a second or two), since a compiled step bakes its kernels in.

@@ -58,16 +58,20 @@ def kv_tensors(cache: flexpage.PagedKVCache, tokens: int) -> list[torch.Tensor]:
     return [pool[:, :, :tokens] for layer in cache.layers for pool in (layer.keys, layer.values)]
 
 
-def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s bytes as a ``uint8`` view (no copy): float, bfloat16 and quantised pages alike."""
-    return (tensor if tensor.dim() else tensor.reshape(1)).view(torch.uint8)
+def as_bytes(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """``tensor``'s bytes as contiguous ``uint8`` views (no copy): float, bfloat16 and quantised
+    pages alike; a slice of a pool (``[1, heads, tokens, width]``) one view per head, since a
+    reduction over strided bytes runs below the read speed."""
+    tensor = tensor if tensor.dim() else tensor.reshape(1)
+    pieces = [tensor] if tensor.is_contiguous() or tensor.dim() < 3 else tensor.flatten(0, -3).unbind(0)
+    return [piece.view(torch.uint8) for piece in pieces]
 
 
 def read_ms(tensors: list[torch.Tensor], repeats: int = 5) -> float:
     """The median time of one reduction (``max``) over each tensor's bytes: how long this machine
     takes to read them. Bytes, not values: a ``sum`` over bfloat16 converts every value and runs
     below the read speed."""
-    views = [as_bytes(tensor) for tensor in tensors]
+    views = [piece for tensor in tensors for piece in as_bytes(tensor)]
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
