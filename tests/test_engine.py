@@ -54,7 +54,8 @@ def test_warmup_compiles_every_step_shape_so_serving_compiles_nothing(stock_llam
     met = set(linear.ranking) | set(linear.trials)
     packed = engine.stats().packed_weight_bytes > 0  # the default: when the copies fit in memory
     for layer in (engine.model.lm_head, engine.model.model.layers[0].mlp.down_proj):
-        assert {(*layer.weight.shape, False, rows, torch.get_num_threads(), packed) for rows in (2, 4, 8)} <= met
+        assert {(*layer.weight.shape, False, rows, torch.get_num_threads(), "float32", packed)
+                for rows in (2, 4, 8)} <= met
     assert engine.stats().warmup_seconds > 0 and engine.stats().steps == 0
     pt = engine.cache.page_table
     assert pt.num_free_pages == pt.num_pages and not pt.active_rows  # scratch rows and pages given back

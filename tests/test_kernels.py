@@ -92,3 +92,12 @@ def test_generate_with_every_decode_token_through_the_kernel_equals_stock(monkey
         out = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
         assert out[0, len(prompt):].tolist() == stock_greedy(stock_llama, prompt, 12)
     assert calls.count(1) == 2 * 11 * layers
+
+
+def test_loading_the_kernels_leaves_the_process_floating_point_modes_alone():
+    """Subnormal floats still exist after both libraries are loaded (a library linked with
+    -ffast-math turns on flush-to-zero for the whole process when it loads)."""
+    assert kernels.library("decode_attention") is not None
+    kernels.library("bf16_linear")
+    tiny = torch.tensor([1e-39]) * torch.tensor([1.0])  # a subnormal float32, computed after the load
+    assert tiny.item() != 0.0 and tiny.item() == pytest.approx(1e-39, rel=1e-3)

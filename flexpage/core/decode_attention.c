@@ -5,7 +5,8 @@
  * of consecutive pool slots. Each key's values are converted to float once for every query head
  * of its group; quantised pages' scales multiply the scores and the probabilities, not the values. Work is split by KV head and key
  * range (flash-decoding); the parts are merged by their running maxima and sums. AVX2 cores
- * take vector code for the conversions and products, other cores the same loops in plain C.
+ * take vector code for the conversions and products (AVX-512 cores: 16 values a vector for the
+ * conversions, the scores' products and the output's sums), other cores the same loops in plain C.
  */
 #include <float.h>
 #include <math.h>
@@ -15,6 +16,9 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define VECTORS 1
+#if defined(__AVX512F__)
+#define WIDE 1  /* 16-value vectors where the head dimension is a multiple of 16 */
+#endif
 #endif
 
 #define BLOCK 32      /* keys converted and scored together */
@@ -64,6 +68,25 @@ static inline __m256 load8(const uint8_t *row, int64_t i, int format, const floa
     }
 }
 
+#ifdef WIDE
+/* Values ``i`` to ``i + 15`` of a stored row as floats. */
+static inline __m512 load16(const uint8_t *row, int64_t i, int format, const float *lut) {
+    switch (format) {
+    case INT8: return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + i))));
+    case FLOAT8: return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + i))), lut, 4);
+    case FLOAT32: return _mm512_loadu_ps((const float *)(row + 4 * i));
+    default: return _mm512_castsi512_ps(_mm512_slli_epi32(
+                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 2 * i))), 16));
+    }
+}
+
+/* The two 8-lane halves of ``v`` added: the same total in half the lanes. */
+static inline __m256 halves(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+#endif
+
 /* The eight sums of eight vectors' lanes, in order. */
 static inline __m256 sums8(const __m256 *v) {
     const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
@@ -111,6 +134,12 @@ static inline void convert_rows(const uint8_t *pool, const int64_t *slots, int64
     for (int64_t j = 0; j < n; j++) {
         const uint8_t *src = pool + slots[j] * row_bytes(dim, format);
         scales[j] = scale_of(src, dim, format);
+#ifdef WIDE
+        if (dim % 16 == 0) {
+            for (int64_t i = 0; i < dim; i += 16) _mm512_storeu_ps(out[j] + i, load16(src, i, format, lut));
+            continue;
+        }
+#endif
 #ifdef VECTORS
         if (dim % 8 == 0) {
             for (int64_t i = 0; i < dim; i += 8) _mm256_storeu_ps(out[j] + i, load8(src, i, format, lut));
@@ -127,6 +156,30 @@ static inline void block_scores(const float *q, const uint8_t *pool, const uint8
                                 int64_t n, int64_t dim, int64_t group, int format, const float *lut,
                                 float (*converted)[MAX_DIM],
                                 float (*scores)[BLOCK], float *scales) {
+#ifdef WIDE
+    if (dim % 16 == 0) {  /* as below, 16 values a vector; each key's four sums halved to 8 lanes */
+        for (int64_t j0 = 0; j0 < n; j0 += 8)
+            for (int64_t g0 = 0; g0 < group; g0 += 4) {
+                __m256 partial[4][8];
+                for (int64_t j = 0; j < 8; j++) {
+                    const int64_t slot = slots[j0 + j < n ? j0 + j : j0], bytes = row_bytes(dim, format);
+                    const uint8_t *key = pool + slot * bytes;  /* keys past n: scores ignored */
+                    _mm_prefetch((const char *)(key + PREFETCH * bytes), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(values + (slot + PREFETCH) * bytes), _MM_HINT_T0);
+                    __m512 sums[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+                    for (int64_t i = 0; i < dim; i += 16) {
+                        const __m512 k = load16(key, i, format, lut);
+                        for (int64_t g = 0; g < 4; g++)
+                            sums[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + (g0 + g) * dim + i), k, sums[g]);
+                    }
+                    for (int64_t g = 0; g < 4; g++) partial[g][j] = halves(sums[g]);
+                    scales[j0 + j] = scale_of(key, dim, format);
+                }
+                for (int64_t g = 0; g < 4 && g0 + g < group; g++) _mm256_storeu_ps(scores[g0 + g] + j0, sums8(partial[g]));
+            }
+        return;
+    }
+#endif
 #ifdef VECTORS
     if (dim % 8 == 0) {  /* query heads four at a time (``q`` holds a multiple of four) */
         for (int64_t j0 = 0; j0 < n; j0 += 8)
@@ -163,6 +216,33 @@ static inline void block_scores(const float *q, const uint8_t *pool, const uint8
 /* acc[g] += sum_j weights[g][j] * values[j] over the block's ``n`` keys. */
 static inline void block_accumulate(float *acc, float (*weights)[BLOCK], float (*values)[MAX_DIM], int64_t n,
                                     int64_t dim, int64_t group) {
+#ifdef WIDE
+    if (dim % 64 == 0) {  /* four vectors of the output, twice (even and odd keys), in registers */
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t i0 = 0; i0 < dim; i0 += 64) {
+                __m512 out[4], odd[4];
+                for (int64_t c = 0; c < 4; c++) {
+                    out[c] = _mm512_loadu_ps(acc + g * dim + i0 + 16 * c);
+                    odd[c] = _mm512_setzero_ps();
+                }
+                int64_t j = 0;
+                for (; j + 1 < n; j += 2) {
+                    const __m512 even_weight = _mm512_set1_ps(weights[g][j]), odd_weight = _mm512_set1_ps(weights[g][j + 1]);
+                    for (int64_t c = 0; c < 4; c++) {
+                        out[c] = _mm512_fmadd_ps(even_weight, _mm512_loadu_ps(values[j] + i0 + 16 * c), out[c]);
+                        odd[c] = _mm512_fmadd_ps(odd_weight, _mm512_loadu_ps(values[j + 1] + i0 + 16 * c), odd[c]);
+                    }
+                }
+                if (j < n) {
+                    const __m512 weight = _mm512_set1_ps(weights[g][j]);
+                    for (int64_t c = 0; c < 4; c++)
+                        out[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(values[j] + i0 + 16 * c), out[c]);
+                }
+                for (int64_t c = 0; c < 4; c++) _mm512_storeu_ps(acc + g * dim + i0 + 16 * c, _mm512_add_ps(out[c], odd[c]));
+            }
+        return;
+    }
+#endif
 #ifdef VECTORS
     if (dim % 64 == 0) {  /* eight vectors of the output held in registers over the block */
         for (int64_t g = 0; g < group; g++)

@@ -52,7 +52,10 @@ ENTRY_POINTS: dict[str, dict[str, Signature]] = {
 }
 # the kernel's ``enum format`` for each pool dtype it reads
 FORMATS = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float32: 2, torch.bfloat16: 3}
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+# -ffast-math's value-changing parts only: a shared library linked with -ffast-math itself sets the
+# CPU's flush-to-zero and denormals-are-zero modes when it is loaded, for the whole process
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
+         "-freciprocal-math", "-fopenmp", "-shared", "-fPIC")
 PART_KEYS = 256  # fewest keys a thread's part takes: a part's merge costs a few vectors
 
 _lock = threading.Lock()
