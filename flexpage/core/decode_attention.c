@@ -150,36 +150,36 @@ static inline void convert_rows(const uint8_t *pool, const int64_t *slots, int64
     }
 }
 
+#ifdef VECTORS
+/* Four query heads' products with one stored key, as four vectors whose lanes sum to the dot
+ * products (16 values a vector where the head dimension allows, halved to 8 lanes). */
+static inline __attribute__((always_inline)) void key_dots(const float *q, const uint8_t *key, int64_t dim,
+                                                           int format, const float *lut, __m256 *sums) {
+#ifdef WIDE
+    if (dim % 16 == 0) {
+        __m512 wide[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int64_t i = 0; i < dim; i += 16) {
+            const __m512 k = load16(key, i, format, lut);
+            for (int64_t g = 0; g < 4; g++) wide[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * dim + i), k, wide[g]);
+        }
+        for (int64_t g = 0; g < 4; g++) sums[g] = halves(wide[g]);
+        return;
+    }
+#endif
+    for (int64_t g = 0; g < 4; g++) sums[g] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < dim; i += 8) {
+        const __m256 k = load8(key, i, format, lut);
+        for (int64_t g = 0; g < 4; g++) sums[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * dim + i), k, sums[g]);
+    }
+}
+#endif
+
 /* scores[g][j] = q[g] . key j for the block's ``n`` keys at ``slots``, and each key's scale;
  * the vector path converts each key into registers and uses it for every query head at once. */
 static inline void block_scores(const float *q, const uint8_t *pool, const uint8_t *values, const int64_t *slots,
                                 int64_t n, int64_t dim, int64_t group, int format, const float *lut,
                                 float (*converted)[MAX_DIM],
                                 float (*scores)[BLOCK], float *scales) {
-#ifdef WIDE
-    if (dim % 16 == 0) {  /* as below, 16 values a vector; each key's four sums halved to 8 lanes */
-        for (int64_t j0 = 0; j0 < n; j0 += 8)
-            for (int64_t g0 = 0; g0 < group; g0 += 4) {
-                __m256 partial[4][8];
-                for (int64_t j = 0; j < 8; j++) {
-                    const int64_t slot = slots[j0 + j < n ? j0 + j : j0], bytes = row_bytes(dim, format);
-                    const uint8_t *key = pool + slot * bytes;  /* keys past n: scores ignored */
-                    _mm_prefetch((const char *)(key + PREFETCH * bytes), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(values + (slot + PREFETCH) * bytes), _MM_HINT_T0);
-                    __m512 sums[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-                    for (int64_t i = 0; i < dim; i += 16) {
-                        const __m512 k = load16(key, i, format, lut);
-                        for (int64_t g = 0; g < 4; g++)
-                            sums[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + (g0 + g) * dim + i), k, sums[g]);
-                    }
-                    for (int64_t g = 0; g < 4; g++) partial[g][j] = halves(sums[g]);
-                    scales[j0 + j] = scale_of(key, dim, format);
-                }
-                for (int64_t g = 0; g < 4 && g0 + g < group; g++) _mm256_storeu_ps(scores[g0 + g] + j0, sums8(partial[g]));
-            }
-        return;
-    }
-#endif
 #ifdef VECTORS
     if (dim % 8 == 0) {  /* query heads four at a time (``q`` holds a multiple of four) */
         for (int64_t j0 = 0; j0 < n; j0 += 8)
@@ -190,12 +190,8 @@ static inline void block_scores(const float *q, const uint8_t *pool, const uint8
                     const uint8_t *key = pool + slot * bytes;  /* keys past n: scores ignored */
                     _mm_prefetch((const char *)(key + PREFETCH * bytes), _MM_HINT_T0);  /* the run's later keys */
                     _mm_prefetch((const char *)(values + (slot + PREFETCH) * bytes), _MM_HINT_T0);
-                    __m256 sums[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-                    for (int64_t i = 0; i < dim; i += 8) {
-                        const __m256 k = load8(key, i, format, lut);
-                        for (int64_t g = 0; g < 4; g++)
-                            sums[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (g0 + g) * dim + i), k, sums[g]);
-                    }
+                    __m256 sums[4];
+                    key_dots(q + g0 * dim, key, dim, format, lut, sums);
                     for (int64_t g = 0; g < 4; g++) partial[g][j] = sums[g];
                     scales[j0 + j] = scale_of(key, dim, format);
                 }
