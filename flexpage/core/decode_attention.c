@@ -7,6 +7,8 @@
  * range (flash-decoding); the parts are merged by their running maxima and sums. AVX2 cores
  * take vector code for the conversions and products (AVX-512 cores: 16 values a vector for the
  * conversions, the scores' products and the output's sums), other cores the same loops in plain C.
+ * Float32 values are read in place; a bfloat16 query over bfloat16 pages, on AVX512-BF16 cores,
+ * takes bfloat16 dot products for its scores and (two keys an instruction) for its output.
  */
 #include <float.h>
 #include <math.h>
@@ -18,6 +20,9 @@
 #define VECTORS 1
 #if defined(__AVX512F__)
 #define WIDE 1  /* 16-value vectors where the head dimension is a multiple of 16 */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define BF16_DOTS 1  /* bfloat16 keys' products 32 values an instruction (vdpbf16ps) */
+#endif
 #endif
 #endif
 
@@ -56,7 +61,26 @@ static inline float scale_of(const uint8_t *row, int64_t dim, int format) {
     return format == INT8 || format == FLOAT8 ? bf16_at(row + dim) : 1.0f;
 }
 
+/* One KV head's query heads (a multiple of four, rows of ``dim``) as floats (``q``), and in
+ * bfloat16 (``bf16``) where a bfloat16 query meets bfloat16 pages, else NULL. */
+struct heads {
+    const float *q;
+    const uint16_t *bf16;
+};
+
 #ifdef VECTORS
+/* Every cache line of the ``bytes`` at ``row`` into the cache ahead of use. */
+static inline void prefetch_row(const uint8_t *row, int64_t bytes) {
+    for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch((const char *)(row + at), _MM_HINT_T0);
+}
+
+/* ``x`` rounded to bfloat16 (to nearest, ties to even), as its bits. */
+static inline uint16_t to_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
 /* Values ``i`` to ``i + 7`` of a stored row as floats. */
 static inline __m256 load8(const uint8_t *row, int64_t i, int format, const float *lut) {
     switch (format) {
@@ -130,31 +154,44 @@ static inline float sum8(__m256 v) {
 
 /* ``n`` rows of ``dim`` stored values at ``slots`` as floats, and their scales. */
 static inline void convert_rows(const uint8_t *pool, const int64_t *slots, int64_t n, int64_t dim, int format,
-                                const float *lut, float (*out)[MAX_DIM], float *scales) {
+                                const float *lut, float *out, float *scales) {
     for (int64_t j = 0; j < n; j++) {
         const uint8_t *src = pool + slots[j] * row_bytes(dim, format);
         scales[j] = scale_of(src, dim, format);
 #ifdef WIDE
         if (dim % 16 == 0) {
-            for (int64_t i = 0; i < dim; i += 16) _mm512_storeu_ps(out[j] + i, load16(src, i, format, lut));
+            for (int64_t i = 0; i < dim; i += 16) _mm512_storeu_ps(out + j * dim + i, load16(src, i, format, lut));
             continue;
         }
 #endif
 #ifdef VECTORS
         if (dim % 8 == 0) {
-            for (int64_t i = 0; i < dim; i += 8) _mm256_storeu_ps(out[j] + i, load8(src, i, format, lut));
+            for (int64_t i = 0; i < dim; i += 8) _mm256_storeu_ps(out + j * dim + i, load8(src, i, format, lut));
             continue;
         }
 #endif
-        for (int64_t i = 0; i < dim; i++) out[j][i] = value_at(src, i, format, lut);
+        for (int64_t i = 0; i < dim; i++) out[j * dim + i] = value_at(src, i, format, lut);
     }
 }
 
 #ifdef VECTORS
 /* Four query heads' products with one stored key, as four vectors whose lanes sum to the dot
  * products (16 values a vector where the head dimension allows, halved to 8 lanes). */
-static inline __attribute__((always_inline)) void key_dots(const float *q, const uint8_t *key, int64_t dim,
-                                                           int format, const float *lut, __m256 *sums) {
+static inline __attribute__((always_inline)) void key_dots(const struct heads *heads, int64_t g0, const uint8_t *key,
+                                                           int64_t dim, int format, const float *lut, __m256 *sums) {
+    const float *q = heads->q + g0 * dim;
+#ifdef BF16_DOTS
+    if (format == BFLOAT16 && heads->bf16) {
+        __m512 wide[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int64_t i = 0; i < dim; i += 32) {
+            const __m512bh k = (__m512bh)_mm512_loadu_si512(key + 2 * i);
+            for (int64_t g = 0; g < 4; g++)
+                wide[g] = _mm512_dpbf16_ps(wide[g], (__m512bh)_mm512_loadu_si512(heads->bf16 + (g0 + g) * dim + i), k);
+        }
+        for (int64_t g = 0; g < 4; g++) sums[g] = halves(wide[g]);
+        return;
+    }
+#endif
 #ifdef WIDE
     if (dim % 16 == 0) {
         __m512 wide[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -174,11 +211,26 @@ static inline __attribute__((always_inline)) void key_dots(const float *q, const
 }
 #endif
 
+/* The block's ``n`` value rows (``rows``) and their scales: float32 pages, and bfloat16 ones where
+ * ``in_place``, read in place; others converted to floats in ``converted``. */
+static inline void value_rows(const uint8_t *pool, const int64_t *slots, int64_t n, int64_t dim, int format,
+                              const float *lut, float *converted, const void **rows, float *scales, int in_place) {
+    if (format == FLOAT32 || in_place) {
+        for (int64_t j = 0; j < n; j++) {
+            rows[j] = pool + slots[j] * row_bytes(dim, format);
+            scales[j] = 1.0f;
+        }
+        return;
+    }
+    convert_rows(pool, slots, n, dim, format, lut, converted, scales);
+    for (int64_t j = 0; j < n; j++) rows[j] = converted + j * dim;
+}
+
 /* scores[g][j] = q[g] . key j for the block's ``n`` keys at ``slots``, and each key's scale;
  * the vector path converts each key into registers and uses it for every query head at once. */
-static inline void block_scores(const float *q, const uint8_t *pool, const uint8_t *values, const int64_t *slots,
+static inline void block_scores(const struct heads *heads, const uint8_t *pool, const uint8_t *values, const int64_t *slots,
                                 int64_t n, int64_t dim, int64_t group, int format, const float *lut,
-                                float (*converted)[MAX_DIM],
+                                float *converted,
                                 float (*scores)[BLOCK], float *scales) {
 #ifdef VECTORS
     if (dim % 8 == 0) {  /* query heads four at a time (``q`` holds a multiple of four) */
@@ -188,10 +240,10 @@ static inline void block_scores(const float *q, const uint8_t *pool, const uint8
                 for (int64_t j = 0; j < 8; j++) {
                     const int64_t slot = slots[j0 + j < n ? j0 + j : j0], bytes = row_bytes(dim, format);
                     const uint8_t *key = pool + slot * bytes;  /* keys past n: scores ignored */
-                    _mm_prefetch((const char *)(key + PREFETCH * bytes), _MM_HINT_T0);  /* the run's later keys */
-                    _mm_prefetch((const char *)(values + (slot + PREFETCH) * bytes), _MM_HINT_T0);
+                    prefetch_row(key + PREFETCH * bytes, bytes);  /* the run's later keys */
+                    prefetch_row(values + (slot + PREFETCH) * bytes, bytes);
                     __m256 sums[4];
-                    key_dots(q + g0 * dim, key, dim, format, lut, sums);
+                    key_dots(heads, g0, key, dim, format, lut, sums);
                     for (int64_t g = 0; g < 4; g++) partial[g][j] = sums[g];
                     scales[j0 + j] = scale_of(key, dim, format);
                 }
@@ -204,13 +256,69 @@ static inline void block_scores(const float *q, const uint8_t *pool, const uint8
     for (int64_t g = 0; g < group; g++)
         for (int64_t j = 0; j < n; j++) {
             float dot = 0.0f;
-            for (int64_t i = 0; i < dim; i++) dot += q[g * dim + i] * converted[j][i];
+            for (int64_t i = 0; i < dim; i++) dot += heads->q[g * dim + i] * converted[j * dim + i];
             scores[g][j] = dot;
         }
 }
 
 /* acc[g] += sum_j weights[g][j] * values[j] over the block's ``n`` keys. */
-static inline void block_accumulate(float *acc, float (*weights)[BLOCK], float (*values)[MAX_DIM], int64_t n,
+#ifdef BF16_DOTS
+/* acc[g] += sum_j weights[g][j] * values[j] for bfloat16 value rows read in place, two keys an
+ * instruction: each lane pairs key j's value with key j + 1's (interleaved within 128-bit lanes,
+ * so each 32 outputs are held in that order: ``unpair``) and weighs them by their probabilities
+ * rounded to bfloat16, as SDPA's bfloat16 kernel rounds them. ``weights`` has room past ``n``. */
+static inline void pair_accumulate(float *acc, float (*weights)[BLOCK], const uint8_t *const *values, int64_t n,
+                                   int64_t dim, int64_t group) {
+    static const uint16_t zeros[MAX_DIM];
+    uint32_t pairs[4][BLOCK / 2];
+    if (n % 2)
+        for (int64_t g = 0; g < group; g++) weights[g][n] = 0.0f;  /* the last key's partner: a zero row */
+    for (int64_t g0 = 0; g0 < group; g0 += 4) {
+        for (int64_t g = 0; g < 4; g++)
+            for (int64_t j = 0; j < n; j += 32) {  /* 32 weights rounded: 16 pairs, in order */
+                const __m512i rounded = g0 + g < group ? (__m512i)_mm512_cvtne2ps_pbh(
+                    _mm512_loadu_ps(weights[g0 + g] + j + 16), _mm512_loadu_ps(weights[g0 + g] + j)) : _mm512_setzero_si512();
+                _mm512_storeu_si512(pairs[g] + j / 2, rounded);
+            }
+        for (int64_t i0 = 0; i0 < dim; i0 += 32) {
+            __m512 low[4], high[4];
+            for (int64_t g = 0; g < 4; g++) {
+                low[g] = g0 + g < group ? _mm512_loadu_ps(acc + (g0 + g) * dim + i0) : _mm512_setzero_ps();
+                high[g] = g0 + g < group ? _mm512_loadu_ps(acc + (g0 + g) * dim + i0 + 16) : _mm512_setzero_ps();
+            }
+            for (int64_t j = 0; j < n; j += 2) {
+                const __m512i a = _mm512_loadu_si512(values[j] + 2 * i0);
+                const __m512i b = j + 1 < n ? _mm512_loadu_si512(values[j + 1] + 2 * i0) : _mm512_loadu_si512(zeros);
+                const __m512bh first = (__m512bh)_mm512_unpacklo_epi16(a, b), last = (__m512bh)_mm512_unpackhi_epi16(a, b);
+                for (int64_t g = 0; g < 4; g++) {
+                    const __m512bh weight = (__m512bh)_mm512_set1_epi32((int)pairs[g][j / 2]);
+                    low[g] = _mm512_dpbf16_ps(low[g], first, weight);
+                    high[g] = _mm512_dpbf16_ps(high[g], last, weight);
+                }
+            }
+            for (int64_t g = 0; g < 4 && g0 + g < group; g++) {
+                _mm512_storeu_ps(acc + (g0 + g) * dim + i0, low[g]);
+                _mm512_storeu_ps(acc + (g0 + g) * dim + i0 + 16, high[g]);
+            }
+        }
+    }
+}
+
+/* ``pair_accumulate``'s outputs in order: each 128-bit lane's first four values then its last four. */
+static inline void unpair(float *acc, int64_t count) {
+    for (int64_t i0 = 0; i0 < count; i0 += 32) {
+        float held[32];
+        memcpy(held, acc + i0, sizeof(held));
+        for (int64_t lane = 0; lane < 4; lane++)
+            for (int64_t p = 0; p < 4; p++) {
+                acc[i0 + 8 * lane + p] = held[4 * lane + p];
+                acc[i0 + 8 * lane + 4 + p] = held[16 + 4 * lane + p];
+            }
+    }
+}
+#endif
+
+static inline void block_accumulate(float *acc, float (*weights)[BLOCK], const float *const *values, int64_t n,
                                     int64_t dim, int64_t group) {
 #ifdef WIDE
     if (dim % 64 == 0) {  /* four vectors of the output, twice (even and odd keys), in registers */
@@ -311,12 +419,22 @@ static inline int64_t slot_of(const int64_t *starts, const int64_t *counts, int6
  * for each of the ``group`` query heads ``q`` (scaled by the softmax scale already). */
 static inline void attend_part(const float *q, const uint8_t *keys, const uint8_t *values, int64_t dim,
                                int64_t group, const int64_t *starts, const int64_t *counts, int64_t runs,
-                               int64_t lo, int64_t hi, int format, const float *lut, float *m, float *l, float *acc) {
-    float converted[BLOCK][MAX_DIM];  /* only the block's first n rows are ever read */
+                               int64_t lo, int64_t hi, int format, const float *lut, float scale, int bf16_query,
+                               float *m, float *l, float *acc) {
+    float converted[BLOCK * MAX_DIM];  /* rows of ``dim`` floats, packed: no cache-set conflicts */
     float scores[MAX_GROUP][BLOCK];
     float key_scale[BLOCK + 8], value_scale[BLOCK];
+    const void *rows[BLOCK];
     int64_t slots[BLOCK];
     int64_t run = 0, before = 0;
+    struct heads heads = {q, NULL};
+#ifdef BF16_DOTS
+    uint16_t rounded[MAX_GROUP * MAX_DIM];
+    if (format == BFLOAT16 && bf16_query && dim % 32 == 0) {  /* bfloat16 holds the query exactly */
+        for (int64_t i = 0; i < (group + 3) / 4 * 4 * dim; i++) rounded[i] = to_bf16(q[i]);
+        heads.bf16 = rounded;
+    }
+#endif
     for (int64_t g = 0; g < group; g++) {
         m[g] = -FLT_MAX;
         l[g] = 0.0f;
@@ -325,26 +443,40 @@ static inline void attend_part(const float *q, const uint8_t *keys, const uint8_
     for (int64_t first = lo; first < hi; first += BLOCK) {
         const int64_t n = hi - first < BLOCK ? hi - first : BLOCK;
         for (int64_t j = 0; j < n; j++) slots[j] = slot_of(starts, counts, runs, first + j, &run, &before);
-        block_scores(q, keys, values, slots, n, dim, group, format, lut, converted, scores, key_scale);
-        convert_rows(values, slots, n, dim, format, lut, converted, value_scale);
+        block_scores(&heads, keys, values, slots, n, dim, group, format, lut, converted, scores, key_scale);
+        for (int64_t j = 0; j < n; j++) key_scale[j] *= scale;
+        value_rows(values, slots, n, dim, format, lut, converted, rows, value_scale, heads.bf16 != NULL);
         for (int64_t g = 0; g < group; g++) {
             const float shrink = block_softmax(scores[g], n, key_scale, value_scale, m + g, l + g);
             for (int64_t i = 0; i < dim; i++) acc[g * dim + i] *= shrink;
         }
-        block_accumulate(acc, scores, converted, n, dim, group);
+#ifdef BF16_DOTS
+        if (heads.bf16) {
+            pair_accumulate(acc, scores, (const uint8_t *const *)rows, n, dim, group);
+            continue;
+        }
+#endif
+        block_accumulate(acc, scores, (const float *const *)rows, n, dim, group);
     }
+#ifdef BF16_DOTS
+    if (heads.bf16) unpair(acc, group * dim);
+#endif
 }
 
 /* The decode tokens of ``rows`` sequences. query [rows, kv_heads, group, dim] float; pools
  * [kv_heads, pool_slots, row] contiguous, each row a token's values stored as ``format``
  * (quantised: then its bfloat16 scale); sequence ``r``'s keys lie in runs ``first_run[r]`` to
  * ``first_run[r + 1]``, run ``i`` holding ``counts[i]`` keys from slot ``starts[i]``; ``lut``: the
- * 256 float values of float8 bytes (FLOAT8 only); out [rows, kv_heads, group, dim].
+ * 256 float values of float8 bytes (FLOAT8 only); ``bf16_query``: nonzero where the query came
+ * in bfloat16 (its values exact in bfloat16, its output rounded to it), so that bfloat16 pages
+ * take bfloat16 products: the query's and the probabilities' (rounded to bfloat16, as SDPA's
+ * bfloat16 kernel rounds them); out [rows, kv_heads, group, dim].
  * Returns 0, or 1 for shapes it does not take, 2 where memory ran out. */
 int flexpage_decode_attention(const float *query, const uint8_t *key_pool, const uint8_t *value_pool,
                               int64_t rows, int64_t kv_heads, int64_t pool_slots, int64_t dim, int64_t group,
                               const int64_t *first_run, const int64_t *starts, const int64_t *counts,
-                              float scale, int64_t part_keys, int format, const float *lut, float *out) {
+                              float scale, int64_t part_keys, int format, const float *lut, int bf16_query,
+                              float *out) {
     if (group > MAX_GROUP || dim > MAX_DIM || rows <= 0 || part_keys <= 0 || format < INT8 || format > BFLOAT16
         || (format == FLOAT8 && !lut))
         return 1;
@@ -376,7 +508,7 @@ int flexpage_decode_attention(const float *query, const uint8_t *key_pool, const
         return 2;
     }
     for (int64_t head = 0; head < rows * kv_heads; head++)
-        for (int64_t i = 0; i < group * dim; i++) q[head * padded * dim + i] = query[head * group * dim + i] * scale;
+        for (int64_t i = 0; i < group * dim; i++) q[head * padded * dim + i] = query[head * group * dim + i];
     const int64_t head_bytes = pool_slots * row_bytes(dim, format);
 #pragma omp parallel for schedule(static)
     for (int64_t item = 0; item < items; item++) {
@@ -389,8 +521,8 @@ int flexpage_decode_attention(const float *query, const uint8_t *key_pool, const
         const int64_t runs = first_run[r + 1] - first_run[r];
 #define ATTEND(DIM, FORMAT) attend_part(q + (r * kv_heads + head) * padded * dim, key_pool + head * head_bytes,    \
                                         value_pool + head * head_bytes, DIM, group, run_starts, run_counts, runs, \
-                                        lo, hi, FORMAT, lut, m + item * group, l + item * group,                 \
-                                        acc + item * group * dim)
+                                        lo, hi, FORMAT, lut, scale, bf16_query, m + item * group,                \
+                                        l + item * group, acc + item * group * dim)
 #define FORMATS(DIM) switch (format) {                                                    \
         case INT8: ATTEND(DIM, INT8); break;                                              \
         case FLOAT8: ATTEND(DIM, FLOAT8); break;                                          \
