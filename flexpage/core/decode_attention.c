@@ -175,18 +175,39 @@ static inline void convert_rows(const uint8_t *pool, const int64_t *slots, int64
 }
 
 #ifdef VECTORS
-/* Four query heads' products with one stored key, as four vectors whose lanes sum to the dot
- * products (16 values a vector where the head dimension allows, halved to 8 lanes). */
-static inline __attribute__((always_inline)) void key_dots(const struct heads *heads, int64_t g0, const uint8_t *key,
-                                                           int64_t dim, int format, const float *lut, __m256 *sums) {
-    const float *q = heads->q + g0 * dim;
+/* Four query heads of a KV head, as ``heads`` has them from head ``g0`` on, and on AVX-512 cores
+ * held in vectors across a block's keys (in registers where the head dimension lets them fit). */
+struct held {
+    const float *q;
+    const uint16_t *bf16;
+#ifdef WIDE
+    __m512 wide[4][MAX_DIM / 16];
+#endif
+};
+
+static inline __attribute__((always_inline)) void hold(struct held *held, const struct heads *heads, int64_t g0,
+                                                       int64_t dim) {
+    held->q = heads->q + g0 * dim;
+    held->bf16 = heads->bf16 ? heads->bf16 + g0 * dim : NULL;
+#ifdef WIDE
+    if (dim % 16 == 0)
+        for (int64_t g = 0; g < 4; g++)
+            for (int64_t i = 0; i < dim; i += 16) held->wide[g][i / 16] = _mm512_loadu_ps(held->q + g * dim + i);
+#endif
+}
+
+/* The four held heads' products with one stored key, as four vectors whose lanes sum to the dot
+ * products (16 values a vector where the head dimension allows, halved to 8 lanes; bfloat16
+ * heads and keys 32 values an instruction). */
+static inline __attribute__((always_inline)) void key_dots(const struct held *held, const uint8_t *key, int64_t dim,
+                                                           int format, const float *lut, __m256 *sums) {
 #ifdef BF16_DOTS
-    if (format == BFLOAT16 && heads->bf16) {
+    if (format == BFLOAT16 && held->bf16) {
         __m512 wide[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
         for (int64_t i = 0; i < dim; i += 32) {
             const __m512bh k = (__m512bh)_mm512_loadu_si512(key + 2 * i);
             for (int64_t g = 0; g < 4; g++)
-                wide[g] = _mm512_dpbf16_ps(wide[g], (__m512bh)_mm512_loadu_si512(heads->bf16 + (g0 + g) * dim + i), k);
+                wide[g] = _mm512_dpbf16_ps(wide[g], (__m512bh)_mm512_loadu_si512(held->bf16 + g * dim + i), k);
         }
         for (int64_t g = 0; g < 4; g++) sums[g] = halves(wide[g]);
         return;
@@ -197,7 +218,7 @@ static inline __attribute__((always_inline)) void key_dots(const struct heads *h
         __m512 wide[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
         for (int64_t i = 0; i < dim; i += 16) {
             const __m512 k = load16(key, i, format, lut);
-            for (int64_t g = 0; g < 4; g++) wide[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * dim + i), k, wide[g]);
+            for (int64_t g = 0; g < 4; g++) wide[g] = _mm512_fmadd_ps(held->wide[g][i / 16], k, wide[g]);
         }
         for (int64_t g = 0; g < 4; g++) sums[g] = halves(wide[g]);
         return;
@@ -206,7 +227,7 @@ static inline __attribute__((always_inline)) void key_dots(const struct heads *h
     for (int64_t g = 0; g < 4; g++) sums[g] = _mm256_setzero_ps();
     for (int64_t i = 0; i < dim; i += 8) {
         const __m256 k = load8(key, i, format, lut);
-        for (int64_t g = 0; g < 4; g++) sums[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * dim + i), k, sums[g]);
+        for (int64_t g = 0; g < 4; g++) sums[g] = _mm256_fmadd_ps(_mm256_loadu_ps(held->q + g * dim + i), k, sums[g]);
     }
 }
 #endif
@@ -234,8 +255,10 @@ static inline void block_scores(const struct heads *heads, const uint8_t *pool, 
                                 float (*scores)[BLOCK], float *scales) {
 #ifdef VECTORS
     if (dim % 8 == 0) {  /* query heads four at a time (``q`` holds a multiple of four) */
-        for (int64_t j0 = 0; j0 < n; j0 += 8)
-            for (int64_t g0 = 0; g0 < group; g0 += 4) {
+        for (int64_t g0 = 0; g0 < group; g0 += 4) {
+            struct held held;
+            hold(&held, heads, g0, dim);
+            for (int64_t j0 = 0; j0 < n; j0 += 8) {
                 __m256 partial[4][8];
                 for (int64_t j = 0; j < 8; j++) {
                     const int64_t slot = slots[j0 + j < n ? j0 + j : j0], bytes = row_bytes(dim, format);
@@ -243,12 +266,13 @@ static inline void block_scores(const struct heads *heads, const uint8_t *pool, 
                     prefetch_row(key + PREFETCH * bytes, bytes);  /* the run's later keys */
                     prefetch_row(values + (slot + PREFETCH) * bytes, bytes);
                     __m256 sums[4];
-                    key_dots(heads, g0, key, dim, format, lut, sums);
+                    key_dots(&held, key, dim, format, lut, sums);
                     for (int64_t g = 0; g < 4; g++) partial[g][j] = sums[g];
                     scales[j0 + j] = scale_of(key, dim, format);
                 }
                 for (int64_t g = 0; g < 4 && g0 + g < group; g++) _mm256_storeu_ps(scores[g0 + g] + j0, sums8(partial[g]));
             }
+        }
         return;
     }
 #endif
@@ -318,32 +342,37 @@ static inline void unpair(float *acc, int64_t count) {
 }
 #endif
 
+#ifdef WIDE
+/* ``heads`` (1 or 4, a constant where inlined) query heads' acc += sum_j weights[g][j] * values[j],
+ * 64 outputs of each in registers at a time, each value row loaded once for all the heads. */
+static inline __attribute__((always_inline)) void accumulate_heads(float *acc, float (*weights)[BLOCK],
+                                                                   const float *const *values, int64_t n,
+                                                                   int64_t dim, int64_t heads) {
+    for (int64_t i0 = 0; i0 < dim; i0 += 64) {
+        __m512 out[4][4];
+        for (int64_t g = 0; g < heads; g++)
+            for (int64_t c = 0; c < 4; c++) out[g][c] = _mm512_loadu_ps(acc + g * dim + i0 + 16 * c);
+        for (int64_t j = 0; j < n; j++) {
+            __m512 row[4];
+            for (int64_t c = 0; c < 4; c++) row[c] = _mm512_loadu_ps(values[j] + i0 + 16 * c);
+            for (int64_t g = 0; g < heads; g++) {
+                const __m512 weight = _mm512_set1_ps(weights[g][j]);
+                for (int64_t c = 0; c < 4; c++) out[g][c] = _mm512_fmadd_ps(weight, row[c], out[g][c]);
+            }
+        }
+        for (int64_t g = 0; g < heads; g++)
+            for (int64_t c = 0; c < 4; c++) _mm512_storeu_ps(acc + g * dim + i0 + 16 * c, out[g][c]);
+    }
+}
+#endif
+
 static inline void block_accumulate(float *acc, float (*weights)[BLOCK], const float *const *values, int64_t n,
                                     int64_t dim, int64_t group) {
 #ifdef WIDE
-    if (dim % 64 == 0) {  /* four vectors of the output, twice (even and odd keys), in registers */
-        for (int64_t g = 0; g < group; g++)
-            for (int64_t i0 = 0; i0 < dim; i0 += 64) {
-                __m512 out[4], odd[4];
-                for (int64_t c = 0; c < 4; c++) {
-                    out[c] = _mm512_loadu_ps(acc + g * dim + i0 + 16 * c);
-                    odd[c] = _mm512_setzero_ps();
-                }
-                int64_t j = 0;
-                for (; j + 1 < n; j += 2) {
-                    const __m512 even_weight = _mm512_set1_ps(weights[g][j]), odd_weight = _mm512_set1_ps(weights[g][j + 1]);
-                    for (int64_t c = 0; c < 4; c++) {
-                        out[c] = _mm512_fmadd_ps(even_weight, _mm512_loadu_ps(values[j] + i0 + 16 * c), out[c]);
-                        odd[c] = _mm512_fmadd_ps(odd_weight, _mm512_loadu_ps(values[j + 1] + i0 + 16 * c), odd[c]);
-                    }
-                }
-                if (j < n) {
-                    const __m512 weight = _mm512_set1_ps(weights[g][j]);
-                    for (int64_t c = 0; c < 4; c++)
-                        out[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(values[j] + i0 + 16 * c), out[c]);
-                }
-                for (int64_t c = 0; c < 4; c++) _mm512_storeu_ps(acc + g * dim + i0 + 16 * c, _mm512_add_ps(out[c], odd[c]));
-            }
+    if (dim % 64 == 0) {
+        int64_t g0 = 0;
+        for (; g0 + 4 <= group; g0 += 4) accumulate_heads(acc + g0 * dim, weights + g0, values, n, dim, 4);
+        for (; g0 < group; g0++) accumulate_heads(acc + g0 * dim, weights + g0, values, n, dim, 1);
         return;
     }
 #endif
