@@ -213,8 +213,10 @@ def test_a_compiled_forward_takes_the_traceable_kernel_measured_fastest(fresh_ch
     if measured:
         linear.KERNELS["plain"] = _slowed(linear.KERNELS["plain"], 0.024)
         linear.KERNELS["transposed"] = _slowed(linear.KERNELS["transposed"], 0.012)
+        linear.KERNELS["rows"] = _slowed(linear.KERNELS["rows"], 0.036)  # where it is built
         linears.measure(3)  # row buckets 1, 2, 4 of both weight shapes, each met once per sweep
-        assert linear.ranking == {(24, n, b, r, torch.get_num_threads(), "float32", False): ("onednn", "transposed", "plain")
+        order = tuple(name for name in ("onednn", "transposed", "plain", "rows") if name in linear.candidates(False))
+        assert linear.ranking == {(24, n, b, r, torch.get_num_threads(), "float32", False): order
                                   for n, b in ((16, True), (24, False)) for r in (1, 2, 4)}
         assert not linear.trials
     traced = []
@@ -239,7 +241,8 @@ def test_a_compiled_forward_reads_the_packed_copies_through_one_opaque_op(fresh_
     linears = FewRowLinears(model, lambda kwargs: True)
     linears.pack(4)
     for layer in model:  # decided: the packed copy first at 2 rows
-        linear.ranking[linear.row_key(2, layer.weight, layer.bias, True)] = linear.candidates(packed=True)[::-1]
+        others = tuple(name for name in linear.candidates(packed=True) if name != "onednn_packed")
+        linear.ranking[linear.row_key(2, layer.weight, layer.bias, True)] = ("onednn_packed", *others)
     assert all(linears.traced_kernels(2)[i] == "onednn_packed" for i in range(2))
     x = torch.randn(2, 16)
     compiled = torch.compile(model, fullgraph=True, dynamic=False)
@@ -258,20 +261,20 @@ def test_a_compiled_forward_reads_the_packed_copies_through_one_opaque_op(fresh_
     linears.remove()
 
 
-needs_bf16_kernel = pytest.mark.skipif(not kernels.bf16_linear_available(),
+needs_bf16_kernel = pytest.mark.skipif(not kernels.row_linear_available(torch.bfloat16),
                                        reason="flexpage's bfloat16 kernel is built for AVX512-BF16 cores only")
+SHAPES = [((1, 512), 512, False), ((2, 64), 96, True), ((3, 100), 37, True), ((1, 5, 1536), 24, False),
+          ((1, 47), 5, True), ((9, 64), 16, True)]  # tails of inputs (100, 47) and of outputs (37, 5)
 
 
 @needs_bf16_kernel
-@pytest.mark.parametrize("shape, out_features, bias", [((1, 512), 512, False), ((2, 64), 96, True),
-                                                       ((3, 100), 37, True), ((1, 5, 1536), 24, False),
-                                                       ((1, 47), 5, True), ((9, 64), 16, True)])
+@pytest.mark.parametrize("shape, out_features, bias", SHAPES)
 def test_the_bfloat16_kernel_is_the_exact_product_rounded_once(shape, out_features, bias):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, generator=g).bfloat16()
     weight = torch.randn(out_features, shape[-1], generator=g).bfloat16()
     b = torch.randn(out_features, generator=g).bfloat16() if bias else None
-    out = linear.bf16_linear(x, weight, b)
+    out = linear.row_linear(x, weight, b)
     exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
     magnitude = F.linear(x.double().abs(), weight.double().abs()) + (0 if b is None else b.double().abs())
     assert out.shape == exact.shape and out.dtype == torch.bfloat16
@@ -279,21 +282,39 @@ def test_the_bfloat16_kernel_is_the_exact_product_rounded_once(shape, out_featur
     assert ((out.double() - exact).abs() <= exact.abs() * 2**-8 + magnitude * 2**-20).all()
     assert (out == F.linear(x, weight, b)).float().mean() >= 0.98  # oneDNN's float32 sums, rounded the same way
     columns = torch.randn(shape[-1], 7, generator=g).bfloat16().t()  # rows not contiguous
-    assert torch.equal(linear.bf16_linear(columns, weight, b), linear.bf16_linear(columns.contiguous(), weight, b))
+    assert torch.equal(linear.row_linear(columns, weight, b), linear.row_linear(columns.contiguous(), weight, b))
 
 
-def test_the_bfloat16_kernel_is_timed_for_bfloat16_weights_only_where_it_is_built(monkeypatch):
-    monkeypatch.setattr(linear, "_bf16_kernel", lambda: True)
-    assert "bf16" in linear.candidates(False, torch.bfloat16)
-    assert "bf16" not in linear.candidates(False, torch.float32)
-    monkeypatch.setenv("CC", "/bin/false")  # a compiler that fails: no library, no kernel
-    assert not kernels.bf16_linear_available()
+@pytest.mark.parametrize("shape, out_features, bias", SHAPES)
+def test_the_float32_kernel_is_the_exact_product_within_float32_sums(shape, out_features, bias):
+    assert kernels.row_linear_available(torch.float32)  # CI machines have AVX2 at least
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g)
+    weight = torch.randn(out_features, shape[-1], generator=g)
+    b = torch.randn(out_features, generator=g) if bias else None
+    out = linear.row_linear(x, weight, b)
+    exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    magnitude = F.linear(x.double().abs(), weight.double().abs()) + (0 if b is None else b.double().abs())
+    assert out.shape == exact.shape and out.dtype == torch.float32
+    assert ((out.double() - exact).abs() <= magnitude * 2**-19).all()  # float32 sums of a few thousand terms
+    columns = torch.randn(shape[-1], 7, generator=g).t()  # rows not contiguous
+    assert torch.equal(linear.row_linear(columns, weight, b), linear.row_linear(columns.contiguous(), weight, b))
+
+
+def test_the_few_row_kernel_is_timed_for_the_dtypes_it_is_built_for(monkeypatch):
+    monkeypatch.setattr(linear, "_row_kernels", lambda: kernels.ROW_LINEARS[torch.bfloat16][1])  # bfloat16 only
+    assert "rows" in linear.candidates(False, torch.bfloat16)
+    assert "rows" not in linear.candidates(False, torch.float32)
+    monkeypatch.setattr(linear, "_row_kernels", lambda: kernels.ROW_LINEARS[torch.float32][1])  # float32 only
+    assert "rows" in linear.candidates(True, torch.float32) and "rows" not in linear.candidates(False, torch.bfloat16)
     monkeypatch.undo()
-    monkeypatch.setenv("CC", "/bin/false")
-    assert "bf16" not in linear.candidates(False, torch.bfloat16)
-    x, weight = torch.randn(2, 64).bfloat16(), torch.randn(32, 64).bfloat16()
-    with torch.no_grad():
-        assert torch.equal(fast_linear(x, weight, None), F.linear(x, weight))  # the library GEMMs still serve
+    monkeypatch.setenv("CC", "/bin/false")  # a compiler that fails: no library, no kernel
+    assert not any(kernels.row_linear_available(dtype) for dtype in kernels.ROW_LINEARS)
+    assert not {"rows"} & {*linear.candidates(False, torch.bfloat16), *linear.candidates(False, torch.float32)}
+    for dtype in kernels.ROW_LINEARS:
+        x, weight = torch.randn(2, 64, dtype=dtype), torch.randn(32, 64, dtype=dtype)
+        with torch.no_grad():
+            assert torch.equal(fast_linear(x, weight, None), F.linear(x, weight))  # the library GEMMs still serve
 
 
 @needs_bf16_kernel
@@ -303,10 +324,10 @@ def test_a_bfloat16_paged_model_through_the_kernel_is_as_close_to_float32_as_sto
     its logits, teacher-forced on float32 stock's greedy tokens, stay as close to float32's as
     stock bfloat16's, and predict float32's next token as often."""
     used = []
-    monkeypatch.setitem(linear.KERNELS, "bf16", lambda x, w, b: used.append(x.numel() // x.shape[-1]) or
-                        linear.bf16_linear(x, w, b))
+    monkeypatch.setitem(linear.KERNELS, "rows", lambda x, w, b: used.append(x.numel() // x.shape[-1]) or
+                        linear.row_linear(x, w, b))
     monkeypatch.setattr(linear, "candidates", lambda packed, dtype=torch.float32:
-                        ("bf16",) if dtype == torch.bfloat16 else ("plain",))
+                        ("rows",) if dtype == torch.bfloat16 else ("plain",))
     exact, stock = zoo.build("llama-tiny"), zoo.build("llama-tiny", dtype=torch.bfloat16)
     model = flexpage.wrap(zoo.build("llama-tiny", dtype=torch.bfloat16), compile_decode=False)
     prompt = torch.randint(3, exact.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))

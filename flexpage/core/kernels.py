@@ -1,4 +1,4 @@
-"""C kernels for the CPU, compiled on first use: decode attention over pages, bfloat16 linears.
+"""C kernels for the CPU, compiled on first use: decode attention over pages, few-row linears.
 
 PyTorch's CPU attention takes keys in the query's dtype only, so int8 and float8 pages had to be
 dequantised into a float scratch before SDPA read them (an extra write and read of float32 per
@@ -11,9 +11,10 @@ beside flexpage's compiled graphs, and loaded with ``ctypes``; its OpenMP thread
 (the same ``libgomp`` is already loaded). Where it cannot be built, ``decode_attention`` returns
 None and the caller takes SDPA or FlexAttention (over dequantised keys for quantised pages).
 
-``bf16_linear.c`` multiplies a few bfloat16 rows by a bfloat16 weight with AVX512-BF16 dot
-products, reading the weight once (``bf16_linear``; ``linear.fast_linear`` times it against the
-library GEMMs). It is built the same way, and offered only where the compiler targets AVX512-BF16.
+``row_linear.c`` multiplies a few float32 or bfloat16 rows by a weight, reading the weight once
+(``row_linear``; ``linear.fast_linear`` times it against the library GEMMs): float32 with fused
+multiply-adds (AVX2 or AVX-512), bfloat16 with AVX512-BF16 dot products. It is built the same way,
+and offered for the dtypes its build covers on this CPU (``row_linear_available``).
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ ENTRY_POINTS: dict[str, dict[str, Signature]] = {
     "decode_attention": {"flexpage_decode_attention": (
         [_POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE, _SIZE, _SIZE, _POINTER, _POINTER, _POINTER,
          ctypes.c_float, _SIZE, ctypes.c_int, _POINTER, ctypes.c_int, _POINTER], ctypes.c_int)},
-    "bf16_linear": {"flexpage_bf16_linear": ([_POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE, _POINTER],
-                                              ctypes.c_int),
-                    "flexpage_bf16_linear_built": ([], ctypes.c_int)},
+    "row_linear": {"flexpage_f32_linear": ([_POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE, _POINTER], ctypes.c_int),
+                   "flexpage_bf16_linear": ([_POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE, _POINTER], ctypes.c_int),
+                   "flexpage_row_linear_formats": ([], ctypes.c_int)},
 }
 # the kernel's ``enum format`` for each pool dtype it reads
 FORMATS = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float32: 2, torch.bfloat16: 3}
@@ -129,25 +130,30 @@ def _load(name: str, cc: str | None) -> ctypes.CDLL | None:
 
 
 FALLBACKS = {"decode_attention": "decode tokens are attended by SDPA (quantised pages dequantised first)",
-             "bf16_linear": "bfloat16 linears keep the library GEMMs"}
+             "row_linear": "linears keep the library GEMMs"}
+# ``row_linear.c``'s entry point and its bit in ``flexpage_row_linear_formats`` for each dtype
+ROW_LINEARS = {torch.float32: ("flexpage_f32_linear", 1), torch.bfloat16: ("flexpage_bf16_linear", 2)}
 
 
-def bf16_linear_available() -> bool:
-    """Whether ``bf16_linear`` runs here: its library built, for a CPU with AVX512-BF16."""
-    lib = library("bf16_linear")
-    return lib is not None and bool(lib.flexpage_bf16_linear_built())
+def row_linear_available(dtype: torch.dtype) -> bool:
+    """Whether ``row_linear`` runs here for ``dtype``: its library built, for a CPU whose
+    instructions its build covers (float32: AVX2 or AVX-512; bfloat16: AVX512-BF16)."""
+    lib = library("row_linear")
+    return dtype in ROW_LINEARS and lib is not None and bool(lib.flexpage_row_linear_formats() & ROW_LINEARS[dtype][1])
 
 
-def bf16_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``F.linear(x, weight, bias)`` for bfloat16 CPU tensors (``weight`` contiguous), by
-    ``bf16_linear.c``; only where ``bf16_linear_available()``. Sums in float32, rounded once."""
-    lib = library("bf16_linear")
+def row_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``F.linear(x, weight, bias)`` for float32 or bfloat16 CPU tensors of one dtype (``weight``
+    contiguous), by ``row_linear.c``; only where ``row_linear_available(x.dtype)``. Sums in float32
+    (bfloat16: rounded once)."""
+    entry = ROW_LINEARS[x.dtype][0]
     flat = x.reshape(-1, x.shape[-1]).contiguous()
-    out = torch.empty(flat.shape[0], weight.shape[0], dtype=torch.bfloat16)
-    status = lib.flexpage_bf16_linear(flat.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                                      flat.shape[0], weight.shape[1], weight.shape[0], out.data_ptr())
+    out = torch.empty(flat.shape[0], weight.shape[0], dtype=x.dtype)
+    status = getattr(library("row_linear"), entry)(
+        flat.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), flat.shape[0], weight.shape[1],
+        weight.shape[0], out.data_ptr())
     if status:
-        raise RuntimeError(f"flexpage_bf16_linear failed with status {status}")
+        raise RuntimeError(f"{entry} failed with status {status}")
     return out.view(*x.shape[:-1], weight.shape[0])
 
 

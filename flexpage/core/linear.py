@@ -3,10 +3,11 @@
 A paged step multiplies every linear layer's weight by a few rows (a decode step: one per
 sequence) or a few hundred (a prefill chunk). On the CPU the same float32 or bfloat16 product runs
 at very different speeds through different kernels, and which one wins depends on the CPU and the
-row count: MKL's ``x @ W.T``, MKL's ``(W @ x.T).T``, oneDNN's matmul on the weight as it is and,
-for bfloat16 on AVX512-BF16 cores, flexpage's own few-row kernel (``kernels.bf16_linear``: twice
-oneDNN's speed for one row; the README's "How it works" gives the figures, which go opposite ways
-on AMD and Intel cores). So
+row count: MKL's ``x @ W.T``, MKL's ``(W @ x.T).T``, oneDNN's matmul on the weight as it is and
+flexpage's own few-row kernel (``kernels.row_linear``: float32 on AVX2/AVX-512 cores, bfloat16 on
+AVX512-BF16 ones; up to twice the library GEMMs' speed for one row where they read a weight
+slowly; the README's "How it works" gives the figures, which go opposite ways on AMD and Intel
+cores). So
 ``fast_linear`` times the kernels, alternated, on the first calls that meet a weight shape with a
 given number of rows (rounded up to a power of two), and uses the fastest from then on, in this
 process and, through ``rankings_file()``, in later ones on this CPU with this torch. The timed
@@ -76,29 +77,29 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-@torch.library.custom_op("flexpage::bf16_linear", mutates_args=())
-def bf16_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``kernels.bf16_linear`` as one opaque op of a compiled forward."""
-    return kernels.bf16_linear(x, weight, bias)
+@torch.library.custom_op("flexpage::row_linear", mutates_args=())
+def row_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``kernels.row_linear`` as one opaque op of a compiled forward."""
+    return kernels.row_linear(x, weight, bias)
 
 
-@bf16_linear_op.register_fake
-def _bf16_linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+@row_linear_op.register_fake
+def _row_linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` by flexpage's bfloat16 kernel (AVX512-BF16 cores): the weight streamed once
-    for all rows; through the custom op while tracing, directly otherwise (no dispatch cost)."""
-    return (bf16_linear_op if torch.compiler.is_compiling() else kernels.bf16_linear)(x, weight, bias)
+def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` by flexpage's few-row kernel: the weight streamed once for all rows; through
+    the custom op while tracing, directly otherwise (no dispatch cost)."""
+    return (row_linear_op if torch.compiler.is_compiling() else kernels.row_linear)(x, weight, bias)
 
 
 KERNELS: dict[str, Kernel] = {"plain": plain_linear, "transposed": transposed_linear}
 if torch.backends.mkldnn.is_available():
     KERNELS["onednn"] = onednn_linear
     KERNELS["onednn_packed"] = onednn_linear  # given the layer's packed copy (``pack_weight``) as its weight
-KERNELS["bf16"] = bf16_linear  # bfloat16 only, where ``kernels.bf16_linear_available()``
-TRACEABLE = ("plain", "transposed", "onednn_packed", "bf16")  # the kernels a compiled forward can take
+KERNELS["rows"] = row_linear  # for the dtypes ``kernels.row_linear_available`` names
+TRACEABLE = ("plain", "transposed", "onednn_packed", "rows")  # the kernels a compiled forward can take
 # packed copies a compiled forward reads through ``flexpage::packed_linear``, by their weight's address
 _PACKED: dict[int, tuple["FewRowLinears", nn.Linear]] = {}
 
@@ -134,16 +135,17 @@ def available_memory() -> int:
 
 def candidates(packed: bool, dtype: torch.dtype = torch.float32) -> tuple[str, ...]:
     """The kernels timed for a layer of ``dtype``: with a packed copy, oneDNN runs on it instead of
-    the weight; flexpage's bfloat16 kernel for bfloat16 weights where it is built."""
+    the weight; flexpage's few-row kernel where it is built for ``dtype``."""
     skip = {"onednn" if packed else "onednn_packed"}
-    if dtype != torch.bfloat16 or not _bf16_kernel():
-        skip.add("bf16")
+    if dtype not in kernels.ROW_LINEARS or not _row_kernels() & kernels.ROW_LINEARS[dtype][1]:
+        skip.add("rows")
     return tuple(name for name in KERNELS if name not in skip)
 
 
 @torch.compiler.assume_constant_result
-def _bf16_kernel() -> bool:
-    return kernels.bf16_linear_available()
+def _row_kernels() -> int:
+    """The dtypes ``kernels.row_linear`` runs for here, as their bits in ``kernels.ROW_LINEARS``."""
+    return sum(bit for dtype, (_, bit) in kernels.ROW_LINEARS.items() if kernels.row_linear_available(dtype))
 
 
 def row_key(rows: int, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool = False) -> Key:

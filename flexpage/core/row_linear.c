@@ -1,0 +1,173 @@
+/* Linear layers for a few rows: y = x W^T + b, every weight read once per call, in float32 or
+ * bfloat16.
+ *
+ * A decode step multiplies each weight by one row per sequence, so its time is the time to read
+ * the weight. The library GEMMs, blocked for many rows, read a weight for one or two rows well
+ * below the speed at which the CPU reads memory (MKL's float32 product at about a third of it on
+ * some AVX-512 cores, oneDNN's and MKL's bfloat16 ones at about half). Here sixteen weight rows at a
+ * time are streamed once, each slice multiplied into the input row (float32: fused multiply-adds,
+ * 16 or 8 values a vector; bfloat16: the AVX512-BF16 pair dot product into float32 sums, as the
+ * library GEMMs keep them, rounded once), output features split over OpenMP threads. float32 is
+ * built for AVX2 and AVX-512 cores, bfloat16 for AVX512-BF16 ones (``flexpage_row_linear_formats``).
+ */
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#define WEIGHT_ROWS 16  /* output features per block: sixteen weight rows streamed together */
+#define INPUT_ROWS 1    /* input rows per pass over a block (a further row reads it again, from cache) */
+
+#define FLOAT32 1   /* the formats, and their bits in ``flexpage_row_linear_formats`` */
+#define BFLOAT16 2
+
+#if defined(__AVX512F__)
+#define F32_BUILT FLOAT32
+#define LANES 16  /* float32 values a vector */
+typedef __m512 vector;
+static inline vector zeros(void) { return _mm512_setzero_ps(); }
+static inline vector load(const float *p) { return _mm512_loadu_ps(p); }
+static inline vector multiply_add(vector a, vector b, vector c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float total(vector v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define F32_BUILT FLOAT32
+#define LANES 8
+typedef __m256 vector;
+static inline vector zeros(void) { return _mm256_setzero_ps(); }
+static inline vector load(const float *p) { return _mm256_loadu_ps(p); }
+static inline vector multiply_add(vector a, vector b, vector c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float total(vector v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_add_ss(a, _mm_shuffle_ps(a, a, 1)));
+}
+#else
+#define F32_BUILT 0
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define BF16_BUILT BFLOAT16
+#else
+#define BF16_BUILT 0
+#endif
+
+int flexpage_row_linear_formats(void) { return F32_BUILT | BF16_BUILT; }
+
+#if F32_BUILT
+/* ``n_out`` (<= WEIGHT_ROWS) features of ``n_in`` (<= INPUT_ROWS) float32 rows starting at ``x``;
+ * a tail of inputs past the last whole vector summed one by one. */
+static inline __attribute__((always_inline)) void f32_block(const float *x, const float *w, const float *bias,
+                                                            int64_t in, int64_t out, int64_t n_in, int64_t n_out,
+                                                            float *y) {
+    vector acc[WEIGHT_ROWS][INPUT_ROWS];
+    for (int i = 0; i < WEIGHT_ROWS; i++)
+        for (int r = 0; r < INPUT_ROWS; r++) acc[i][r] = zeros();
+    const int64_t whole = in / LANES * LANES;
+    for (int64_t k = 0; k < whole; k += LANES) {
+        vector xs[INPUT_ROWS];
+        for (int r = 0; r < INPUT_ROWS; r++) xs[r] = r < n_in ? load(x + r * in + k) : zeros();
+        for (int i = 0; i < WEIGHT_ROWS && i < n_out; i++) {
+            const vector ws = load(w + i * in + k);
+            for (int r = 0; r < INPUT_ROWS && r < n_in; r++) acc[i][r] = multiply_add(ws, xs[r], acc[i][r]);
+        }
+    }
+    for (int i = 0; i < n_out; i++)
+        for (int r = 0; r < n_in; r++) {
+            float sum = total(acc[i][r]);
+            for (int64_t k = whole; k < in; k++) sum += w[i * in + k] * x[r * in + k];
+            y[r * out + i] = sum + (bias ? bias[i] : 0.0f);
+        }
+}
+#endif
+
+#if BF16_BUILT
+static inline float bf16_value(uint16_t half) {
+    uint32_t bits = (uint32_t)half << 16;
+    float value;
+    memcpy(&value, &bits, 4);
+    return value;
+}
+
+static inline uint16_t bf16_round(float value) {  /* to nearest, ties to even (NaN stays NaN) */
+    uint32_t bits;
+    memcpy(&bits, &value, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((bits >> 16) | 0x40);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* As ``f32_block`` for bfloat16 rows, 32 values a pair dot product (a masked tail). */
+static inline __attribute__((always_inline)) void bf16_block(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
+                                                             int64_t in, int64_t out, int64_t n_in, int64_t n_out,
+                                                             uint16_t *y) {
+    __m512 acc[WEIGHT_ROWS][INPUT_ROWS];
+    for (int i = 0; i < WEIGHT_ROWS; i++)
+        for (int r = 0; r < INPUT_ROWS; r++) acc[i][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < in; k += 32) {
+        const __mmask32 mask = in - k >= 32 ? 0xffffffffu : (__mmask32)((1u << (in - k)) - 1u);
+        __m512i xs[INPUT_ROWS];
+        for (int r = 0; r < INPUT_ROWS; r++)
+            xs[r] = r < n_in ? _mm512_maskz_loadu_epi16(mask, x + r * in + k) : _mm512_setzero_si512();
+        for (int i = 0; i < WEIGHT_ROWS && i < n_out; i++) {
+            const __m512i ws = _mm512_maskz_loadu_epi16(mask, w + i * in + k);
+            for (int r = 0; r < INPUT_ROWS && r < n_in; r++)
+                acc[i][r] = _mm512_dpbf16_ps(acc[i][r], (__m512bh)ws, (__m512bh)xs[r]);
+        }
+    }
+    for (int i = 0; i < n_out; i++) {
+        const float b = bias ? bf16_value(bias[i]) : 0.0f;
+        for (int r = 0; r < n_in; r++) y[r * out + i] = bf16_round(_mm512_reduce_add_ps(acc[i][r]) + b);
+    }
+}
+#endif
+
+/* The features from ``first`` of input rows from ``row`` (``n_out`` and ``n_in`` of them). */
+static inline __attribute__((always_inline)) void block(int format, const void *x, const void *weight,
+                                                        const void *bias, int64_t in, int64_t out, int64_t row,
+                                                        int64_t first, int64_t n_in, int64_t n_out, void *y) {
+#if F32_BUILT
+    if (format == FLOAT32)
+        f32_block((const float *)x + row * in, (const float *)weight + first * in,
+                  bias ? (const float *)bias + first : NULL, in, out, n_in, n_out, (float *)y + row * out + first);
+#endif
+#if BF16_BUILT
+    if (format == BFLOAT16)
+        bf16_block((const uint16_t *)x + row * in, (const uint16_t *)weight + first * in,
+                   bias ? (const uint16_t *)bias + first : NULL, in, out, n_in, n_out,
+                   (uint16_t *)y + row * out + first);
+#endif
+}
+
+/* ``y [rows, out] = x [rows, in] W^T [in, out] + bias [out]`` (``bias`` may be NULL), all
+ * row-major, of ``format``. Returns 0, or 1 where this CPU's build lacks the format. */
+static inline __attribute__((always_inline)) int row_linear(int format, const void *x, const void *weight,
+                                                            const void *bias, int64_t rows, int64_t in, int64_t out,
+                                                            void *y) {
+    if (!(flexpage_row_linear_formats() & format))
+        return 1;
+    const int64_t blocks = (out + WEIGHT_ROWS - 1) / WEIGHT_ROWS;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t first = b * WEIGHT_ROWS;
+        const int64_t n_out = out - first < WEIGHT_ROWS ? out - first : WEIGHT_ROWS;
+        for (int64_t r = 0; r < rows; r += INPUT_ROWS) {
+            const int64_t n_in = rows - r < INPUT_ROWS ? rows - r : INPUT_ROWS;
+            if (n_out == WEIGHT_ROWS && n_in == INPUT_ROWS)  /* constants: the accumulators stay in registers */
+                block(format, x, weight, bias, in, out, r, first, INPUT_ROWS, WEIGHT_ROWS, y);
+            else
+                block(format, x, weight, bias, in, out, r, first, n_in, n_out, y);
+        }
+    }
+    return 0;
+}
+
+int flexpage_f32_linear(const float *x, const float *weight, const float *bias, int64_t rows, int64_t in,
+                        int64_t out, float *y) {
+    return row_linear(FLOAT32, x, weight, bias, rows, in, out, y);
+}
+
+int flexpage_bf16_linear(const uint16_t *x, const uint16_t *weight, const uint16_t *bias, int64_t rows, int64_t in,
+                         int64_t out, uint16_t *y) {
+    return row_linear(BFLOAT16, x, weight, bias, rows, in, out, y);
+}
