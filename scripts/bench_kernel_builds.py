@@ -33,20 +33,24 @@ CASES = [(32, 512), (1, 512), (1, 32768)]  # (decode tokens, keys each)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 
 
-def build(source: str, directory: Path, name: str) -> ctypes.CDLL:
-    """``source`` compiled as flexpage compiles its kernels, loaded with the entry point's signature."""
+def build(source: str, directory: Path, name: str) -> tuple[ctypes.CDLL, bool]:
+    """``source`` compiled as flexpage compiles its kernels, loaded with the entry point's signature;
+    and whether it takes the ``bf16_query`` argument (sources before it did not)."""
     path, built = directory / f"{name}.c", directory / f"{name}.so"
     path.write_text(source)
     subprocess.run([kernels.compiler() or "cc", *kernels.FLAGS, "-o", str(built), str(path), "-lm"], check=True)
     lib = ctypes.CDLL(str(built))
     entry = lib.flexpage_decode_attention
-    entry.argtypes, entry.restype = kernels.ENTRY_POINTS["decode_attention"]["flexpage_decode_attention"]
-    return lib
+    argtypes, entry.restype = kernels.ENTRY_POINTS["decode_attention"]["flexpage_decode_attention"]
+    flagged = "bf16_query" in source
+    entry.argtypes = argtypes if flagged else argtypes[:-2] + argtypes[-1:]
+    return lib, flagged
 
 
-def attend(lib: ctypes.CDLL, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first: torch.Tensor,
-           runs: torch.Tensor) -> torch.Tensor:
-    """``kernels.decode_attention``'s call, through ``lib``."""
+def attend(built: tuple[ctypes.CDLL, bool], query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+           first: torch.Tensor, runs: torch.Tensor) -> torch.Tensor:
+    """``kernels.decode_attention``'s call, through ``built``'s library."""
+    lib, flagged = built
     rows, heads, _, dim = query.shape
     kv_heads = keys.shape[1]
     folded = query.reshape(rows, kv_heads, heads // kv_heads, dim).float().contiguous()
@@ -55,7 +59,7 @@ def attend(lib: ctypes.CDLL, query: torch.Tensor, keys: torch.Tensor, values: to
     status = lib.flexpage_decode_attention(
         folded.data_ptr(), keys.data_ptr(), values.data_ptr(), rows, kv_heads, keys.shape[2], dim, heads // kv_heads,
         first.data_ptr(), runs[0].data_ptr(), runs[1].data_ptr(), dim ** -0.5, part_keys, kernels.FORMATS[keys.dtype],
-        None, query.dtype == torch.bfloat16, out.data_ptr())
+        None, *([query.dtype == torch.bfloat16] if flagged else []), out.data_ptr())
     if status:
         raise RuntimeError(f"flexpage_decode_attention failed with status {status}")
     return out
@@ -69,7 +73,7 @@ def main() -> None:
     base = subprocess.run(["git", "show", f"{args.base}:{SOURCE}"], cwd=ROOT, check=True, capture_output=True,
                           text=True).stdout
     with tempfile.TemporaryDirectory() as directory:
-        libs = [build(base, Path(directory), "base"), build((ROOT / SOURCE).read_text(), Path(directory), "new")]
+        builds = [build(base, Path(directory), "base"), build((ROOT / SOURCE).read_text(), Path(directory), "new")]
         torch.manual_seed(0)
         for rows, width in CASES:
             for name, dtype in DTYPES.items():
@@ -79,12 +83,12 @@ def main() -> None:
                 query = torch.randn(rows, 8, 1, 64, dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
                 first = torch.arange(rows + 1)
                 runs = torch.stack([torch.arange(rows) * width, torch.full((rows,), width)])
-                outs = [attend(lib, query, keys, values, first, runs) for lib in libs]
+                outs = [attend(built, query, keys, values, first, runs) for built in builds]
                 times: list[list[float]] = [[], []]
                 for _ in range(args.rounds):
-                    for lib, samples in zip(libs, times):
+                    for built, samples in zip(builds, times):
                         start = time.perf_counter()
-                        attend(lib, query, keys, values, first, runs)
+                        attend(built, query, keys, values, first, runs)
                         samples.append((time.perf_counter() - start) * 1e6)
                 before, after = (statistics.median(samples) for samples in times)
                 read = read_ms([keys, values], repeats=9) * 1e3
