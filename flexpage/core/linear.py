@@ -44,6 +44,7 @@ from .compile import artifact_dir
 MAX_ROWS = 1 << 16  # a batched prefill's rows (b8 x 1024 tokens: oneDNN 25% faster than F.linear); above, F.linear untimed
 PACK_MEMORY_SHARE = 0.25  # packed copies are taken by default when they need at most this share of free memory
 TRIALS = 4  # calls timed with each kernel, alternated, before a (weight shape, row bucket) is decided
+ROW_KERNEL_ROWS = 16  # the few-row kernel is timed up to this row bucket (the library GEMMs win from 8-32 rows)
 
 # (out_features, in_features, has bias, row bucket, threads, dtype name, packed)
 Key = tuple[int, int, bool, int, int, str, bool]
@@ -133,11 +134,13 @@ def available_memory() -> int:
     return psutil.virtual_memory().available
 
 
-def candidates(packed: bool, dtype: torch.dtype = torch.float32) -> tuple[str, ...]:
-    """The kernels timed for a layer of ``dtype``: with a packed copy, oneDNN runs on it instead of
-    the weight; flexpage's few-row kernel where it is built for ``dtype``."""
+def candidates(packed: bool, dtype: torch.dtype = torch.float32, bucket: int = 1) -> tuple[str, ...]:
+    """The kernels timed for a layer of ``dtype`` at a row bucket: with a packed copy, oneDNN runs
+    on it instead of the weight; flexpage's few-row kernel where it is built for ``dtype``, up to
+    ``ROW_KERNEL_ROWS`` rows."""
     skip = {"onednn" if packed else "onednn_packed"}
-    if dtype not in kernels.ROW_LINEARS or not _row_kernels() & kernels.ROW_LINEARS[dtype][1]:
+    if (bucket > ROW_KERNEL_ROWS or dtype not in kernels.ROW_LINEARS
+            or not _row_kernels() & kernels.ROW_LINEARS[dtype][1]):
         skip.add("rows")
     return tuple(name for name in KERNELS if name not in skip)
 
@@ -198,7 +201,7 @@ def _timed(key: Key, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
            packed: torch.Tensor | None) -> torch.Tensor:
     """The product by the kernel ``key`` has timed fewest calls of, timed; once every kernel has
     ``TRIALS`` calls ``key`` is decided, kernels ranked by their fastest call."""
-    times = trials.setdefault(key, {name: [] for name in candidates(packed is not None, weight.dtype)})
+    times = trials.setdefault(key, {name: [] for name in candidates(packed is not None, weight.dtype, key[3])})
     name = min(times, key=lambda name: len(times[name]))
     start = time.perf_counter()
     out = _run(name, x, weight, bias, packed)
@@ -240,7 +243,7 @@ def load_rankings() -> None:
         for key, names in saved.items():
             *sizes, dtype, packed = key.split(",")
             out, inp, bias, bucket, threads = (int(part) for part in sizes)
-            if sorted(names) == sorted(candidates(bool(int(packed)), DTYPES[dtype])):
+            if sorted(names) == sorted(candidates(bool(int(packed)), DTYPES[dtype], bucket)):
                 found[out, inp, bool(bias), bucket, threads, dtype, bool(int(packed))] = tuple(names)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none saved, or not ours to read
         return
