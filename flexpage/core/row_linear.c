@@ -18,6 +18,7 @@
 
 #define WEIGHT_ROWS 16  /* output features per block: sixteen weight rows streamed together */
 #define INPUT_ROWS 1    /* input rows per pass over a block (a further row reads it again, from cache) */
+#define PREFETCH_ROWS 32  /* bfloat16 weight rows prefetched ahead of the ones read (two blocks) */
 
 #define FLOAT32 1   /* the formats, and their bits in ``flexpage_row_linear_formats`` */
 #define BFLOAT16 2
@@ -111,6 +112,7 @@ static inline __attribute__((always_inline)) void bf16_block(const uint16_t *x, 
             xs[r] = r < n_in ? _mm512_maskz_loadu_epi16(mask, x + r * in + k) : _mm512_setzero_si512();
         for (int i = 0; i < WEIGHT_ROWS && i < n_out; i++) {
             const __m512i ws = _mm512_maskz_loadu_epi16(mask, w + i * in + k);
+            _mm_prefetch((const char *)(w + (i + PREFETCH_ROWS) * in + k), _MM_HINT_T0);
             for (int r = 0; r < INPUT_ROWS && r < n_in; r++)
                 acc[i][r] = _mm512_dpbf16_ps(acc[i][r], (__m512bh)ws, (__m512bh)xs[r]);
         }
