@@ -34,7 +34,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from .core.attention import packed_attention
-from .core.cache import PagedKVCache
+from .core.cache import PagedKVCache, pages_for_tokens
 from .core.host import cdiv, host_tensor
 from .core.linear import FewRowLinears
 from .core.masks import PackedBlockMask
@@ -87,7 +87,9 @@ def wrap(
 
     The cache is allocated once (per-layer pools on each layer's device, in the model's
     dtype) and reused by every ``generate`` call; a call's pages are released when it
-    returns. ``max_seq_len`` caps one sequence (default: the whole pool). Returns the same
+    returns. Where some layers attend a sliding window and the others every position (Gemma 2), the
+    pool takes the bytes of ``max_cached_tokens`` tokens in every layer and holds more tokens
+    (``PagedKVCache``'s window rows, ``pages_for_tokens``). ``max_seq_len`` caps one sequence (default: the whole pool). Returns the same
     model object. Raises ``UnsupportedModelError`` for models flexpage cannot serve exactly.
     ``page_size`` (tokens per page) defaults to 64 when every layer runs on the CPU (where
     attention over many sequences runs faster over fewer, larger KV blocks) and the pool holds a
@@ -129,7 +131,7 @@ def wrap(
         page_size = page_size if max_cached_tokens >= page_size else MIN_PAGE_SIZE
     if max_cached_tokens < page_size:
         raise ValueError(f"max_cached_tokens ({max_cached_tokens}) must hold at least one page of {page_size}")
-    num_pages = cdiv(max_cached_tokens, page_size)
+    num_pages = pages_for_tokens(model.config, max_cached_tokens, page_size)  # (more where windowed layers share pools)
     cache = PagedKVCache(
         model.config,
         page_size=page_size,

@@ -16,6 +16,7 @@ import torch
 import flexpage
 from flexpage import zoo
 from flexpage.core import linear
+from flexpage.core.pages import RELEASED
 from flexpage.engine import counters, model_runner
 from flexpage import InvalidRequestError
 from flexpage.bench.measure import compiled_graphs
@@ -234,6 +235,29 @@ def test_a_windowed_model_holds_its_windows_pages_only_and_verifies_drafts_withi
     stats = engine.stats()
     assert stats.preemptions == 0 and stats.drafted_tokens > 0 and stats.peak_pages_used <= 24
     assert engine.cache.stats().pages_used == 0
+
+
+def test_a_gemma2_shaped_model_keeps_only_the_window_of_its_windowed_layers():
+    """Gemma 2-shaped (windowed layers beside global ones): a sequence's windowed layers' K/V, in its
+    window row, take only its last window's pages once it decodes, from the pool its global layers'
+    row draws on; stock's tokens, speculating too (rejected drafts roll both rows back)."""
+    stock = zoo.build("gemma2-tiny")
+    prompts, news = workload((40, 130, 9, 75)), [60, 40, 80, 50]
+    expected = [stock_greedy(stock, p, n) for p, n in zip(prompts, news)]
+    engine = make_engine("gemma2", speculative="ngram", num_speculative_tokens=3, compile_decode=False)
+    pt, window = engine.cache.page_table, engine.model.config.sliding_window
+    indices = [engine.add_request(p, flexpage.SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, news)]
+    outputs, checked = {i: [] for i in indices}, 0
+    for record in engine.run():
+        outputs[record.index].append(record.token)
+        for row in pt.active_rows:
+            window_row = pt.window_row(row)
+            if pt.seq_lens[row] > max(map(len, prompts)):  # decoding: its window and the step's tokens
+                assert len(pt.seq_pages[window_row]) - pt.first_held[window_row] <= -(-(window + 4) // 16) + 1
+                assert pt.first_held[row] == 0 and RELEASED not in pt.pages_of(row)
+                checked += 1
+    assert [outputs[i] for i in indices] == expected and checked > 0
+    assert engine.stats().preemptions == 0 and engine.cache.stats().pages_used == 0
 
 
 def test_stream_yields_each_token_as_produced(expected):

@@ -13,11 +13,12 @@ from flexpage.bench.roofline import as_bytes
 from notebook_runner import run_notebook
 
 
-def test_a_filled_context_decodes_as_stock_over_the_same_kv():
+@pytest.mark.parametrize("name", ["llama-tiny", "gemma2-tiny"])  # Gemma 2: windowed layers in window rows
+def test_a_filled_context_decodes_as_stock_over_the_same_kv(name):
     """The benchmark writes a context's K/V straight into the pages: a decode step over them gives
     stock's logits over a dynamic cache holding the same K/V, and the step is appended after them."""
-    stock = zoo.build("llama-tiny")
-    model = flexpage.wrap(zoo.build("llama-tiny"), max_cached_tokens=256, max_batch_size=1)
+    stock = zoo.build(name)
+    model = flexpage.wrap(zoo.build(name), max_cached_tokens=256, max_batch_size=1)
     token = torch.tensor([[7]])
     with torch.inference_mode():
         expected = stock(input_ids=token, cache=long.fill_stock(stock, 100, seed=3)).logits
@@ -44,7 +45,7 @@ def test_quick_long_benchmark_and_its_notebook(tmp_path, monkeypatch):
     long.main(["--quick", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "long.json").read_text())
     summary = {(r["config"], r["length"]): r for r in data["meta"]["summary"]}
-    configs = ("pages_auto", "pages_int8", "pages_fp8", "window", "stock")
+    configs = ("pages_auto", "pages_int8", "pages_fp8", "window", "groups", "stock")
     assert set(summary) == {(c, n) for c in configs for n in (64, 512)}
     for row in summary.values():
         assert math.isfinite(row["ms"]) and row["ms"] > 0 and row["roofline_ms"] > 0
@@ -52,6 +53,9 @@ def test_quick_long_benchmark_and_its_notebook(tmp_path, monkeypatch):
     # mistral-tiny attends 32 positions back: at 512 its row holds its window's pages, not 512 tokens'
     assert summary["window", 512]["kv_held_fraction"] < 0.25 and summary["pages_auto", 512]["kv_held_fraction"] == 1
     assert summary["window", 64]["kv_held_fraction"] > summary["window", 512]["kv_held_fraction"]
+    # gemma2-tiny: its global layer keeps every page, its windowed layer two pages of 64 at most
+    assert 0.5 < summary["groups", 512]["kv_held_fraction"] <= (512 + 128) / 1024
+    assert summary["groups", 64]["kv_held_fraction"] == 1
     agreement = json.loads((tmp_path / "long_agreement.json").read_text())["records"]
     assert {r["format"] for r in agreement} == {"int8", "fp8"} and all(0 <= r["agree"] <= 1 for r in agreement)
     errors = (tmp_path / "long_attention_error.csv").read_text().splitlines()

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from flexpage import OutOfPagesError, PageTable
-from flexpage.core.pages import RELEASED
+from flexpage.core.pages import RELEASED, WINDOW_KEY
 
 NUM_PAGES, PAGE_SIZE, ROWS, PAGES_PER_SEQ = 12, 16, 5, 8
 WINDOW = 24  # a sliding window of a page and a half
@@ -48,6 +48,14 @@ class PageTableMachine(RuleBasedStateMachine):
         self.page_content: dict[int, tuple] = {}  # what each page holds, by its slots' token ids
         self.key_tokens: dict[bytes, tuple] = {}  # content key -> the tokens it names
 
+    def rows(self) -> list[int]:
+        """Every row in use, window rows (``PageTable.sliding_window``) included."""
+        return [r for row in self.pt.active_rows for r in self.pt.rows_of(row)]
+
+    def named(self, key: bytes) -> tuple:
+        """The tokens a content key names (a window page's key: its row's page's key + ``WINDOW_KEY``)."""
+        return self.key_tokens[key] if key in self.key_tokens else self.key_tokens[key.removesuffix(WINDOW_KEY)]
+
     def key(self, tokens: list[int], index: int) -> bytes:
         """Content key of page ``index``: every token up to its end (exact, like the Engine's hash chain)."""
         prefix = tuple(tokens[: (index + 1) * PAGE_SIZE])
@@ -66,7 +74,7 @@ class PageTableMachine(RuleBasedStateMachine):
     @rule(data=st.data(), extra=st.integers(0, 2))
     def admit_with_cached_prefix(self, data, extra):
         """A new row whose tokens start like a registered page chain (and maybe go on differently)."""
-        key = data.draw(st.sampled_from(sorted(self.pt.key_pages)))
+        key = data.draw(st.sampled_from(sorted(k for k in self.pt.key_pages if k in self.key_tokens)))
         tokens = list(self.key_tokens[key]) + [data.draw(st.integers(0, 3)) for _ in range(extra * PAGE_SIZE)]
         pages = self.pt.lookup([self.key(tokens, i) for i in range(len(tokens) // PAGE_SIZE)])
         row = self.pt.add_sequence()
@@ -100,14 +108,15 @@ class PageTableMachine(RuleBasedStateMachine):
             self.page_content[dst] = self.page_content.get(src, ())  # the cache copies the page's K/V
         for row, count in zip(rows, counts):
             assert self.pt.seq_lens[row] == old_lens[row] + count
-            pages = self.pt.pages_of(row)
             new = [data.draw(st.integers(0, 3)) for _ in range(count)]
-            for pos, token in zip(range(old_lens[row], old_lens[row] + count), new):
-                page = pages[pos // PAGE_SIZE]
-                # every page written into is this row's alone and not registered: shared pages never change
-                assert self.pt.ref_counts[page] == 1 and page not in self.pt.page_keys
-                content = list(self.page_content.get(page, ()))[: pos % PAGE_SIZE]
-                self.page_content[page] = tuple(content + [token])
+            for held in self.pt.rows_of(row):  # a window row is written the same tokens
+                pages = self.pt.seq_pages[held]
+                for pos, token in zip(range(old_lens[row], old_lens[row] + count), new):
+                    page = pages[pos // PAGE_SIZE]
+                    # every page written into is this row's alone and not registered: shared pages never change
+                    assert self.pt.ref_counts[page] == 1 and page not in self.pt.page_keys
+                    content = list(self.page_content.get(page, ()))[: pos % PAGE_SIZE]
+                    self.page_content[page] = tuple(content + [token])
             self.tokens[row] = self.tokens[row] + new
 
     @precondition(lambda self: self.pt.active_rows)
@@ -135,19 +144,19 @@ class PageTableMachine(RuleBasedStateMachine):
         try:
             self.pt.truncate(row, length)
         except ValueError:  # only where the window that length needs was given back; nothing changed
-            assert self.pt.window is not None and self.pt.first_held[row] > 0
+            assert any(self.pt.first_held[r] > 0 for r in self.pt.rows_of(row))
             assert_same(before, snapshot(self.pt))
             return
         self.tokens[row] = self.tokens[row][:length]
 
     def held(self, row):
-        """``(logical index, page)`` of the pages ``row`` still holds."""
-        return [(i, page) for i, page in enumerate(self.pt.pages_of(row)) if page != RELEASED]
+        """``(logical index, page)`` of the pages ``row`` (or a window row) still holds."""
+        return [(i, page) for i, page in enumerate(self.pt.seq_pages[row]) if page != RELEASED]
 
     @invariant()
     def live_tokens_count_each_held_page_once(self):
         pt, filled = self.pt, {}
-        for row in pt.active_rows:
+        for row in self.rows():
             for i, page in self.held(row):
                 filled[page] = max(filled.get(page, 0), min(PAGE_SIZE, pt.seq_lens[row] - i * PAGE_SIZE))
         assert pt.live_tokens == sum(filled.values())
@@ -156,7 +165,7 @@ class PageTableMachine(RuleBasedStateMachine):
     def pages_free_or_owned_and_counted(self):
         pt = self.pt
         owners = [0] * NUM_PAGES
-        for row in pt.active_rows:
+        for row in self.rows():
             for _, page in self.held(row):
                 owners[page] += 1
         assert owners == pt.ref_counts
@@ -169,16 +178,17 @@ class PageTableMachine(RuleBasedStateMachine):
     @invariant()
     def rows_hold_their_tokens(self):
         for row in self.pt.active_rows:
-            for i, page in self.held(row):
-                expect = tuple(self.tokens[row][i * PAGE_SIZE : (i + 1) * PAGE_SIZE])
-                assert self.page_content[page][: len(expect)] == expect
+            for held in self.pt.rows_of(row):
+                for i, page in self.held(held):
+                    expect = tuple(self.tokens[row][i * PAGE_SIZE : (i + 1) * PAGE_SIZE])
+                    assert self.page_content[page][: len(expect)] == expect
         for page, key in self.pt.page_keys.items():
-            assert self.page_content[page] == self.key_tokens[key][-PAGE_SIZE:]
+            assert self.page_content[page] == self.named(key)[-PAGE_SIZE:]
 
     @invariant()
     def device_mirrors_match_host(self):
         pt = self.pt
-        for row in range(ROWS):
+        for row in range(len(pt.seq_pages)):
             pages = pt.seq_pages[row] or []
             expect = pages + [-1] * (PAGES_PER_SEQ - len(pages))
             assert pt.table[row].tolist() == expect
@@ -189,7 +199,7 @@ class PageTableMachine(RuleBasedStateMachine):
         for page in pt.free_pages:
             assert pt.page_logical[page].item() == -1
         for page, key in pt.page_keys.items():  # cached pages keep their place in the sequence
-            assert pt.page_logical[page].item() == len(self.key_tokens[key]) // PAGE_SIZE - 1
+            assert pt.page_logical[page].item() == len(self.named(key)) // PAGE_SIZE - 1
 
     def teardown(self):
         for row in self.pt.active_rows:
@@ -236,6 +246,72 @@ class WindowedPageTableMachine(PageTableMachine):
 
 TestWindowedPageTableMachine = WindowedPageTableMachine.TestCase
 TestWindowedPageTableMachine.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+
+
+class LayerGroupPageTableMachine(PageTableMachine):
+    """The same rules where some layers attend ``WINDOW`` positions back and the others everything:
+    each row's window row (its windowed layers' pages) grows, forks, truncates, registers and frees
+    with it from the one pool and gives back the pages before its window; the rows keep every page."""
+
+    def __init__(self):
+        super().__init__()
+        self.pt = PageTable(NUM_PAGES, PAGE_SIZE, ROWS, PAGES_PER_SEQ, sliding_window=WINDOW)
+
+    @invariant()
+    def a_window_row_holds_its_rows_tokens_from_the_first_page_it_keeps(self):
+        pt = self.pt
+        for row in pt.active_rows:
+            window_row = pt.window_row(row)
+            pages, first = pt.seq_pages[window_row], pt.first_held[window_row]
+            assert pt.seq_lens[window_row] == pt.seq_lens[row] and len(pages) == len(pt.pages_of(row))
+            assert all(page == RELEASED for page in pages[:first])
+            assert all(page != RELEASED for page in pages[first:])
+            assert first <= max(0, pt.seq_lens[row] - WINDOW + 1) // PAGE_SIZE
+            assert pt.first_held[row] == 0  # the global layers' rows give nothing back
+
+
+TestLayerGroupPageTableMachine = LayerGroupPageTableMachine.TestCase
+TestLayerGroupPageTableMachine.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+
+
+def test_window_rows_hold_their_window_while_their_rows_keep_every_page():
+    """Layer groups (Gemma 2): a row's window row takes pages from the same pool as it grows and
+    gives back those before its window; budgets, forks, prefix hits and freeing cover both."""
+    pt = PageTable(24, PAGE_SIZE, ROWS, 16, sliding_window=WINDOW)
+    row = pt.add_sequence()
+    window_row = pt.window_row(row)
+    assert pt.pages_needed(row, 40) == 6  # three pages for each of the two rows
+    pt.extend([row], [40])
+    assert pt.num_free_pages == 24 - 6 and pt.seq_lens[window_row] == 40
+    for _ in range(100):  # one token a step
+        pt.extend([row], [1])
+        held = [p for p in pt.seq_pages[window_row] if p != RELEASED]
+        assert len(held) <= pt.window_pages(pt.seq_lens[row]) == -(-WINDOW // PAGE_SIZE) + 1
+        assert RELEASED not in pt.pages_of(row)
+    assert pt.num_free_pages == 24 - len(pt.pages_of(row)) - len(held)  # the rest went back to the pool
+    for i in range(len(pt.pages_of(row)) - 1):
+        pt.register(row, i, bytes([i]))
+    child = pt.fork(row)
+    assert pt.seq_pages[pt.window_row(child)] == pt.seq_pages[window_row]
+    # a prefix hit needs the window pages beside its pages: registered while the window row held them
+    assert len(pt.lookup([bytes([i]) for i in range(8)])) == 0  # page 0's window page was given back unregistered
+    pt.free_sequence(child)
+    with pytest.raises(ValueError, match="given back"):
+        pt.truncate(row, 20)
+    pt.free_sequence(row)
+    assert pt.num_free_pages == 24 and not any(pt.ref_counts)
+    # registered while held: a later row attaches both rows' pages
+    first = pt.add_sequence()
+    pt.extend([first], [2 * PAGE_SIZE])
+    pt.register(first, 0, b"a")
+    pt.register(first, 1, b"b")
+    hit = pt.lookup([b"a", b"b", b"c"])
+    second = pt.add_sequence()
+    assert pt.unowned(hit) == 0
+    pt.attach(second, hit)
+    assert pt.pages_of(second) == pt.pages_of(first)
+    assert pt.seq_pages[pt.window_row(second)] == pt.seq_pages[pt.window_row(first)]
+    assert pt.seq_lens[pt.window_row(second)] == 2 * PAGE_SIZE
 
 
 def test_fork_then_write_copies_shared_partial_page():

@@ -6,6 +6,8 @@ import pytest
 import torch
 from reference import VOCAB, make_engine, stock_greedy
 
+from flexpage import zoo
+
 SYSTEM = 100  # shared prompt tokens: 6 full pages of 16
 
 
@@ -39,6 +41,21 @@ def test_prefix_caching_with_preemption_and_eviction(shared_workload):
     engine = make_engine(max_cached_tokens=256)  # 16 pages: requests preempt each other, cached pages get evicted
     assert engine.generate(prompts, max_new_tokens=12) == expected
     assert engine.stats().preemptions > 0 and engine.stats().prefix_hit_tokens > 0
+    assert engine.cache.stats().pages_used == 0
+
+
+def test_prefix_caching_over_window_rows_changes_no_token(shared_workload):
+    """Gemma 2-shaped: a cached prefix is reused where its windowed layers' pages (given back by the
+    rows that computed them, registered first) are cached too; stock's tokens, the same hits."""
+    prompts, _ = shared_workload
+    stock = zoo.build("gemma2-tiny")
+    expected = [stock_greedy(stock, p, 12) for p in prompts]
+    engine = make_engine("gemma2")
+    assert engine.generate(prompts, max_new_tokens=12) == expected
+    assert engine.stats().prefix_hit_tokens > 0
+    engine.reset_stats()
+    assert engine.generate(prompts, max_new_tokens=12) == expected
+    assert engine.stats().prefix_hit_tokens == sum((len(p) - 1) // 16 * 16 for p in prompts)
     assert engine.cache.stats().pages_used == 0
 
 

@@ -9,7 +9,10 @@ The roofline is the time of one bandwidth-bound reduction over the step's bytes 
 round: the weights and the K/V the sequence holds, as the format stores them. The ``window``
 configuration is a model whose every layer attends a sliding window (``--window-model``) over
 model-dtype pages: after its first step its row holds only the window's pages, and the cell
-records the fraction of K/V bytes it holds against keeping every page. TTFT is a real prefill of
+records the fraction of K/V bytes it holds against keeping every page. The ``groups`` configuration
+is a model whose layers alternate a sliding window and global attention (``--groups-model``,
+Gemma 2-shaped): its windowed layers' pages are held by the row's window row, which keeps only
+the window's (``PagedKVCache``), the global layers' by the row. TTFT is a real prefill of
 L tokens, up to ``--prefill-max``. Stock runs the same steps over its dynamic cache. Every length
 is measured once per round, configurations in turn; each cell reports its median round.
 
@@ -19,7 +22,8 @@ to the outputs' mean magnitude), and the greedy tokens of 256-token generations 
 models against model-dtype pages (the fraction of positions that agree; a divergence makes the
 rest of a generation disagree).
 
-    flexpage bench long                     # llama-small, 128..65536, model dtype / int8 / fp8, stock, mistral-small
+    flexpage bench long                     # llama-small, 128..65536, model dtype / int8 / fp8, stock,
+                                            # mistral-small, gemma2-small
     flexpage bench long --parts decode      # the decode cells only (--parts faithfulness: the rest)
     flexpage bench long --quick             # llama-tiny and mistral-tiny, two lengths, a few steps (CI)
 """
@@ -66,14 +70,27 @@ def fill_paged(model: PreTrainedModel, context: int, seed: int) -> flexpage.Page
     cache.reset()
     row = cache.add_sequence()
     cache.reserve([row], [context])
-    slots = cache.page_table.slots_of(cache.page_table.pages_of(row))[None, :context]
+    pt = cache.page_table
+    slots = [pt.slots_of(pt.seq_pages[held])[None, :context] for held in pt.rows_of(row)]
     generator = torch.Generator().manual_seed(seed)
     for start in range(0, context, FILL_CHUNK):
         end = min(context, start + FILL_CHUNK)
-        for layer in cache.layers:
-            layer.write(slots[:, start:end], *random_kv(model, end - start, generator))
+        for i, layer in enumerate(cache.layers):
+            layer.write(slots[i in cache.windowed][:, start:end], *random_kv(model, end - start, generator))
     cache.batch_rows, cache.seen_tokens = [row], context
     return cache
+
+
+def held_kv(cache: flexpage.PagedKVCache, row: int) -> list[torch.Tensor]:
+    """The K/V of every layer that ``row`` holds now: from its first kept page (a window's) to its end,
+    a windowed layer's in the row's window row where the cache keeps one."""
+    pt, kv = cache.page_table, []
+    for i, layer in enumerate(cache.layers):
+        held = pt.window_row(row) if i in cache.windowed else row
+        start = pt.first_held[held] * cache.page_size
+        slots = pt.slots_of(pt.seq_pages[held][pt.first_held[held] :])[: pt.seq_lens[held] - start]
+        kv += [pool[:, :, slots] for pool in (layer.keys, layer.values)]
+    return kv
 
 
 def fill_stock(model: PreTrainedModel, context: int, seed: int) -> DynamicCache:
@@ -193,6 +210,8 @@ def decode_cells(args: argparse.Namespace) -> None:
                                           max_cached_tokens=tokens, max_batch_size=1) for f in args.formats}
     if args.window_model:  # every layer attends a window: the pages before it are given back
         models["window"] = flexpage.wrap(zoo.load(args.window_model), max_cached_tokens=tokens, max_batch_size=1)
+    if args.groups_model:  # windowed layers beside global ones: the windowed layers' pages before it are given back
+        models["groups"] = flexpage.wrap(zoo.load(args.groups_model), max_cached_tokens=tokens, max_batch_size=1)
     stock = None if args.no_stock else zoo.load(args.model)
     configs = [*models, *([] if stock is None else ["stock"])]
     records = []
@@ -206,11 +225,11 @@ def decode_cells(args: argparse.Namespace) -> None:
                     if config == "stock":
                         kv = [t for layer in cache.layers for t in (layer.keys, layer.values)]
                         every_page = sum(t.numel() * t.element_size() for t in kv)
-                    else:  # the pages the row holds now: from its first kept page (a window's) to its end
-                        start = cache.page_table.first_held[cache.batch_rows[0]] * cache.page_size
-                        end = cache.seq_length(cache.batch_rows[0])
-                        kv = [pool[:, :, start:end] for layer in cache.layers for pool in (layer.keys, layer.values)]
-                        every_page = end * cache.bytes_per_token
+                    else:  # against every layer's K/V kept whole
+                        kv = held_kv(cache, cache.batch_rows[0])
+                        every_page = cache.seq_length(cache.batch_rows[0]) * sum(
+                            pool.shape[1] * pool.shape[3] * pool.element_size()
+                            for layer in cache.layers for pool in (layer.keys, layer.values))
                     weights = weight_tensors(model)
                     roof = read_ms(weights + kv)
                     kv_bytes = sum(t.numel() * t.element_size() for t in kv)
@@ -237,7 +256,8 @@ def decode_cells(args: argparse.Namespace) -> None:
             print(f"L={length:6d} {config:<12} {row['ms']:9.2f} ms/token  roofline {roof:8.2f} ms  "
                   f"x{row['x_roofline']:.2f}  K/V held {row['kv_mb']} MB ({row['kv_held_fraction']:.3f} of all)",
                   flush=True)
-    meta = {"machine": machine_info(), "model": args.model, "window_model": args.window_model, "steps": args.steps,
+    meta = {"machine": machine_info(), "model": args.model, "window_model": args.window_model,
+            "groups_model": args.groups_model, "steps": args.steps,
             "rounds": args.rounds, "command": " ".join(sys.argv), "summary": summary}
     save_run(args, records, meta, plot)
 
@@ -266,6 +286,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--window-model", default="mistral-small",
                         help="a zoo model whose every layer attends a sliding window, decoded over model-dtype "
                              "pages beside the others ('' leaves it out)")
+    parser.add_argument("--groups-model", default="gemma2-small",
+                        help="a zoo model whose layers alternate a sliding window and global attention, decoded "
+                             "over model-dtype pages beside the others ('' leaves it out)")
     parser.add_argument("--no-stock", action="store_true", help="leave out stock's dynamic cache")
     parser.add_argument("--steps", type=int, default=8, help="decode steps timed per cell and round")
     parser.add_argument("--rounds", type=int, default=3)
@@ -276,13 +299,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--faith-lengths", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--faith-tokens", type=int, default=256)
     parser.add_argument("--faith-prompts", type=int, default=3)
-    add_run_arguments(parser, "llama-tiny (and mistral-tiny), lengths 64 and 512, 4 steps, one round", "long",
+    add_run_arguments(parser, "llama-tiny (and mistral-tiny, gemma2-tiny), lengths 64 and 512, 4 steps, one round",
+                      "long",
                       default="results/long")
     args = parser.parse_args(argv)
     args.model = zoo.chosen_model(args)
     if args.quick:
         args.lengths, args.steps, args.rounds, args.prefill_max = [64, 512], 4, 1, 512
         args.window_model = args.window_model and "mistral-tiny"
+        args.groups_model = args.groups_model and "gemma2-tiny"
         args.faith_models, args.faith_lengths, args.faith_tokens, args.faith_prompts = [args.model], [64], 16, 1
     if "decode" in args.parts:
         decode_cells(args)

@@ -253,7 +253,8 @@ def packed_attention(
     ``chunk_block`` tokens.
     Where SDPA over a sequence's pages is the faster kernel (``sdpa_over_pages``), a lone
     decode token, and each prefill chunk in a call of its own, are attended that way instead.
-    ``window`` and ``cap`` select the layer's variant (sliding window, logit soft-cap).
+    ``window`` and ``cap`` select the layer's variant (sliding window, logit soft-cap; a window the
+    page table keeps window rows for reads them, ``PackedBlockMask.for_window``).
     Quantised pools (``flexpage.core.quant``) are dequantised where they are read: in the SDPA
     path's slice or gather, and for FlexAttention (whose pools are in the query's dtype) into a
     scratch pool at the slots of the step's pages (``PackedBlockMask.read_slots``).
@@ -261,6 +262,7 @@ def packed_attention(
     """
     if isinstance(block_mask, StaticDecodeMask) and torch.compiler.is_compiling():  # one opaque call, run eagerly
         return static_decode_attention(query, key_pool, value_pool, block_mask.plan.tok_pos, window, cap, scale)
+    block_mask = block_mask.for_window(window)  # a windowed layer whose pages its rows' window rows hold
     plan = block_mask.plan
     if query.shape[0] != 1 or query.dim() != 4 or query.shape[2] != plan.q_len:
         raise ValueError(

@@ -10,6 +10,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import memory
+from .host import cdiv
 from .quant import dequantise, is_quantised, kv_storage_dtype, pool_width, quantise
 from .pages import PackedPlan, PageTable, StepPlan, check_packed_layout
 from .step_shape import StepShape
@@ -35,6 +36,27 @@ def check_page_size(page_size: int) -> None:
         )
 
 
+def windowed_layers(config: Any, num_layers: int) -> tuple[int | None, frozenset[int]]:
+    """``(window, layers)``: the layers that attend a sliding ``window`` where the others attend every
+    position (Gemma 2's alternating layers), from the config's ``layer_types``; ``(None, {})`` where
+    every layer is alike (a model whose every layer has a window learns it: ``learn_window``)."""
+    types, window = getattr(config, "layer_types", None), getattr(config, "sliding_window", None)
+    if not types or not isinstance(window, int) or len(types) != num_layers:
+        return None, frozenset()
+    layers = frozenset(i for i, kind in enumerate(types) if kind == "sliding_attention")
+    return (window, layers) if 0 < len(layers) < num_layers else (None, frozenset())
+
+
+def pages_for_tokens(config: Any, tokens: int, page_size: int) -> int:
+    """Pages of a pool holding ``tokens`` tokens of every layer's K/V in the bytes they take where
+    every layer has pools of its own: where windowed layers share the global layers' pools
+    (``windowed_layers``), as many more pages as there are fewer pools (twice as many for Gemma 2)."""
+    num_layers = getattr(config, "num_hidden_layers", None) or 1
+    _, windowed = windowed_layers(config, num_layers)
+    pools = max(len(windowed), num_layers - len(windowed))
+    return cdiv(tokens, page_size) * num_layers // pools
+
+
 @dataclass(frozen=True)
 class CacheStats:
     pages_total: int
@@ -44,6 +66,8 @@ class CacheStats:
     reserved_slots: int
     utilisation: float  # live_tokens / reserved_slots (1.0 when nothing is reserved)
     pages_cached: int = 0  # prefix-cache pages nobody holds, kept until the pool needs them (counted free)
+    # live_tokens counts slots: where windowed layers keep their own pages (``PageTable.sliding_window``)
+    # a token within its sequence's window holds a slot in each of its two rows
 
 
 class PagedLayer(CacheLayerMixin):
@@ -59,12 +83,16 @@ class PagedLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = True  # ``PagedKVCache.crop`` truncates rows: assisted generation's rollback
 
-    def __init__(self, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 shares: "PagedLayer | None" = None):
         super().__init__()
         self.device = device
         shape = (1, num_kv_heads, num_slots, pool_width(head_dim, dtype))
-        self.keys = memory.zeros(shape, dtype, device)  # on the CPU on huge pages: decode reads them scattered
-        self.values = memory.zeros(shape, dtype, device)
+        if shares is not None:  # a windowed layer in a global layer's pools: their pages are distinct
+            self.keys, self.values = shares.keys, shares.values
+        else:
+            self.keys = memory.zeros(shape, dtype, device)  # on the CPU on huge pages: decode reads them scattered
+            self.values = memory.zeros(shape, dtype, device)
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -109,6 +137,12 @@ class PagedKVCache(Cache):
     pages, compute slots) followed by one ``update`` per layer (write K/V, get the pools).
     ``kv_dtype`` stores the pages in ``dtype`` (None) or quantised, ``"int8"`` or
     ``"float8_e4m3fn"`` (``flexpage.core.quant``: a scale per token and KV head beside the values).
+
+    Where the config names layers that attend a sliding window beside layers that attend every
+    position (``windowed_layers``: Gemma 2), the windowed layers' K/V live in their rows' window rows
+    (``PageTable.sliding_window``), which give back the pages before the window, and each windowed
+    layer shares a global layer's pool tensors (a page is one row's at a time): a long sequence then
+    holds its windowed layers' last window only.
     """
 
     def __init__(
@@ -143,11 +177,17 @@ class PagedKVCache(Cache):
         if len(devices) != num_layers:
             raise ValueError(f"device lists {len(devices)} devices for {num_layers} layers")
         devices = [torch.device(d) for d in devices]
-        self.page_table = PageTable(num_pages, page_size, max_batch_size, max_pages_per_seq, devices[0])
+        window, self.windowed = windowed_layers(config, num_layers)
+        self.page_table = PageTable(num_pages, page_size, max_batch_size, max_pages_per_seq, devices[0], window)
         num_slots = (num_pages + 1) * page_size  # + the sink page
-        super().__init__(
-            layers=[PagedLayer(num_slots, num_kv_heads, head_dim, storage, d) for d in devices]
-        )
+        layers: dict[int, PagedLayer] = {}
+        full = [i for i in range(num_layers) if i not in self.windowed]
+        for i in full:
+            layers[i] = PagedLayer(num_slots, num_kv_heads, head_dim, storage, devices[i])
+        for k, i in enumerate(sorted(self.windowed)):  # the k-th windowed layer in the k-th global one's pools
+            partner = layers[full[k]] if k < len(full) and devices[full[k]] == devices[i] else None
+            layers[i] = PagedLayer(num_slots, num_kv_heads, head_dim, storage, devices[i], partner)
+        super().__init__(layers=[layers[i] for i in range(num_layers)])
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -166,6 +206,8 @@ class PagedKVCache(Cache):
 
         All or nothing: on ``OutOfPagesError`` no page, length or K/V byte has changed.
         """
+        if self.windowed:
+            raise ValueError("a cache whose windowed layers keep their own pages takes packed steps (begin_packed_step)")
         self.reserve(rows, new_tokens)
         self.step = self.page_table.plan(rows, new_tokens, q_len)
         return self.step
@@ -210,7 +252,7 @@ class PagedKVCache(Cache):
         are written). All or nothing: on ``OutOfPagesError`` no page, length or K/V byte has changed."""
         copies = self.page_table.extend(rows, new_tokens)  # ValueError for an unused row
         for src, dst in copies:
-            for layer in self.layers:
+            for layer in self.pool_layers:
                 layer.copy_page(src, dst, self.page_size)
         self._written = set()
 
@@ -248,7 +290,8 @@ class PagedKVCache(Cache):
                 f"q in [{step.max_new}, {step.q_len}], head_dim={self.head_dim}), "
                 f"got {tuple(key_states.shape)} and {tuple(value_states.shape)}"
             )
-        layer.write(step.slots[:, step.q_len - q :], key_states, value_states)
+        slots = step.window_plan.slots if layer_idx in self.windowed else step.slots
+        layer.write(slots[:, step.q_len - q :], key_states, value_states)
         self._written.add(layer_idx)
         return layer.keys, layer.values
 
@@ -346,18 +389,34 @@ class PagedKVCache(Cache):
     def gather(self, layer_idx: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A row's K/V as contiguous ``[kv_heads, length, head_dim]`` tensors of the model's dtype
         (dequantised from quantised pages), for tests and export."""
-        if self.page_table.first_held[row]:
+        length = self.seq_length(row)
+        held = self.page_table.window_row(row) if layer_idx in self.windowed else row
+        if self.page_table.first_held[held]:
             raise ValueError(f"row {row} gave back the pages before its sliding window: its K/V are not all held")
         layer = self.layers[layer_idx]
-        slots = self.page_table.slots_of(self.page_table.pages_of(row))[: self.seq_length(row)].to(layer.device)
+        slots = self.page_table.slots_of(self.page_table.seq_pages[held])[:length].to(layer.device)
         if self.kv_dtype == self.dtype:
             return layer.keys[0, :, slots], layer.values[0, :, slots]
         return dequantise(layer.keys[0, :, slots], self.dtype), dequantise(layer.values[0, :, slots], self.dtype)
 
     @property
+    def pool_layers(self) -> list[PagedLayer]:
+        """The layers whose pools are their own (a windowed layer may share a global layer's)."""
+        return [layer for i, layer in enumerate(self.layers)
+                if all(layer.keys is not other.keys for other in self.layers[:i])]
+
+    @property
     def bytes_per_token(self) -> int:
-        """Pool bytes one token takes over every layer's K and V (scales included)."""
-        return sum(2 * layer.keys.shape[1] * layer.keys.shape[3] * layer.keys.element_size() for layer in self.layers)
+        """Pool bytes one slot takes over every pool's K and V (scales included): what a token takes
+        (a token within its window takes a slot of its window row too, where those are kept)."""
+        return sum(2 * layer.keys.shape[1] * layer.keys.shape[3] * layer.keys.element_size()
+                   for layer in self.pool_layers)
+
+    def held_bytes(self, row: int) -> int:
+        """Pool bytes of the pages ``row`` (and its window row) holds now."""
+        pages = sum(len(self.page_table.seq_pages[r]) - self.page_table.first_held[r]
+                    for r in self.page_table.rows_of(row))
+        return pages * self.page_size * self.bytes_per_token
 
     def stats(self) -> CacheStats:
         """Pages in use and live tokens (shared pages counted once), from counts the page table

@@ -408,10 +408,13 @@ class PackedBlockMask(_StepMask):
     (a decode row's one query sits in a block of ``Q_BLOCK_SIZE``), as the GPU kernels require.
     On CPU a lone decode token, and each prefill chunk, is attended by SDPA over its sequence's
     pages instead (``decode_kv``, ``chunk_kvs``), and such a region builds no block metadata.
+    Layers attending the page table's ``sliding_window`` where it keeps window rows read theirs
+    through ``window_mask`` (``for_window``).
     """
 
     plan: PackedPlan
     group: int | None = None  # the decode rows' query heads per KV head, where the mask fixes it (static steps)
+    window_mask: "PackedBlockMask | None" = None  # the same step over the window rows (``plan.window_plan``)
 
     @classmethod
     def for_step(cls, page_table: PageTable, plan: PackedPlan) -> "PackedBlockMask":
@@ -419,7 +422,16 @@ class PackedBlockMask(_StepMask):
         mask._start(page_table, plan.q_len, 1)
         mask.plan = plan
         mask.BLOCK_SIZE = (Q_BLOCK_SIZE if plan.decode_len else plan.chunk_block, page_table.page_size)
+        if plan.window_plan is not None:
+            mask.window_mask = PackedBlockMask.for_step(page_table, plan.window_plan)
         return mask
+
+    def for_window(self, window: int | None) -> "PackedBlockMask":
+        """The mask of a layer attending ``window``: the window rows' where the page table keeps its
+        windowed layers' pages there, else this one."""
+        if self.window_mask is not None and window is not None and window == self.page_table.sliding_window:
+            return self.window_mask
+        return self
 
     def _causal(self) -> BlockMask:
         return self.region("decode" if self.plan.decode_len else "chunk")[2]
@@ -456,13 +468,15 @@ class PackedBlockMask(_StepMask):
 
     def windows(self) -> set[int | None]:
         """The sliding windows (None: no window) of the layers that attended through this mask."""
-        return {key[1] for key in self._variants if key[0] in ("decode", "decode_kv", "decode_runs", "chunk",
-                                                                "chunk_kvs")}
+        inner = set() if self.window_mask is None else self.window_mask.windows()
+        return inner | {key[1] for key in self._variants if key[0] in ("decode", "decode_kv", "decode_runs", "chunk",
+                                                                        "chunk_kvs")}
 
     def decode_variants(self) -> set[tuple[int | None, float | None]]:
         """The ``(window, cap)`` variants whose decode region this step's layers asked for (as
         FlexAttention's block mask, or as the C kernel's runs: no soft-cap)."""
-        return ({(key[1], key[2]) for key in self._variants if key[0] == "decode"}
+        inner = set() if self.window_mask is None else self.window_mask.decode_variants()
+        return (inner | {(key[1], key[2]) for key in self._variants if key[0] == "decode"}
                 | {(key[1], None) for key in self._variants if key[0] == "decode_runs"})
 
     def prepare(self, variants: set[tuple[int | None, float | None]]) -> "PackedBlockMask":
@@ -535,8 +549,12 @@ class StaticDecodeMask(PackedBlockMask):
         mask = cls.for_step(page_table, plan)
         mask.group, mask.rows = group, ()
         mask._variants[("decode_rows",)] = DecodeRows(plan.tok_rows, plan.tok_pos.clamp_min(0), plan.tok_pos + 1)
+        if plan.window_plan is not None:
+            mask.window_mask = cls.over(page_table, plan.window_plan, {v for v in variants if mask.for_window(v[0])
+                                                                       is not mask}, group)
         for window, cap in variants:
-            mask.decode_region(window, cap, group)
+            if mask.for_window(window) is mask:
+                mask.decode_region(window, cap, group)
         _STATIC[plan.tok_pos.data_ptr()] = mask
         return mask
 
@@ -553,7 +571,7 @@ class StaticDecodeMask(PackedBlockMask):
         """Every tensor of the mask that ``refresh`` rewrites: the decode rows' and each variant's
         block metadata (the step reads them where they are: their addresses never change)."""
         rows = self._variants[("decode_rows",)]
-        held = [rows.q_start, rows.kv_lens]
+        held = [rows.q_start, rows.kv_lens, *(() if self.window_mask is None else self.window_mask.tensors())]
         for key, value in self._variants.items():
             if key[0] == "decode":
                 block_mask = value[0]
@@ -565,6 +583,8 @@ class StaticDecodeMask(PackedBlockMask):
         """Rewrite the decode rows and every variant's block metadata from the plan's tensors (written
         for this step's page-table ``rows`` by ``PageTable.plan_packed``) and the page table."""
         self.rows = tuple(rows)
+        if self.window_mask is not None:
+            self.window_mask.refresh([self.page_table.window_row(row) for row in rows])
         for key in [key for key in self._variants if key[0] in ("decode_kv", "decode_runs", "read_slots")]:  # per step
             del self._variants[key]
         rows = self._variants[("decode_rows",)]

@@ -9,7 +9,7 @@ tensors that are updated in place, so compiled code that reads them never change
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import torch
@@ -19,6 +19,7 @@ from .host import cdiv, host_tensor
 from .policy import device_policy
 
 RELEASED = -1  # a row's entry for a page it gave back: wholly before every query's window (``PageTable.window``)
+WINDOW_KEY = b"w"  # appended to a page's content key for the same tokens' page of a window row (prefix caching)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class PackedPlan:
     chunk_block: int
     q_len: int
     decode_tokens: int  # positions of the decode region in the packed row: the real tokens, or decode_len
+    window_plan: PackedPlan | None = None  # the same step over the rows' window rows (``PageTable.sliding_window``)
 
     @property
     def max_new(self) -> int:
@@ -122,6 +124,13 @@ class PageTable:
     Sliding windows: once ``window`` is set (every layer attends at most that many positions
     back), a row growing past it gives back the pages wholly before its earliest query's window;
     its page list keeps ``RELEASED`` in their place, so logical page indices never move.
+
+    Layer groups: where some layers attend a ``sliding_window`` and the others every position
+    (Gemma 2), each row has a *window row* (``window_row``) holding the pages of the windowed
+    layers, which keeps only the pages of its last ``sliding_window`` positions and gives the rest
+    back. Both rows draw on the one pool (the cache lays a windowed layer's K/V in the same pool
+    tensors as a global layer's: a page belongs to one row at a time), grow, fork, truncate and free
+    together, and every method taking a row acts on both.
     """
 
     def __init__(
@@ -131,6 +140,7 @@ class PageTable:
         max_batch_size: int,
         max_pages_per_seq: int | None = None,
         device: torch.device | str = "cpu",
+        sliding_window: int | None = None,
     ) -> None:
         for name, value in (("num_pages", num_pages), ("page_size", page_size), ("max_batch_size", max_batch_size)):
             if not isinstance(value, int) or value < 1:
@@ -138,21 +148,25 @@ class PageTable:
         max_pages_per_seq = num_pages if max_pages_per_seq is None else max_pages_per_seq
         if not 1 <= max_pages_per_seq <= num_pages:
             raise ValueError(f"max_pages_per_seq must be in [1, num_pages={num_pages}], got {max_pages_per_seq}")
+        if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
         self.num_pages = num_pages
         self.page_size = page_size
         self.max_batch_size = max_batch_size
         self.max_pages_per_seq = max_pages_per_seq
         self.device = torch.device(device)
+        self.sliding_window = sliding_window  # the window rows' window (None: no window rows)
+        total_rows = max_batch_size * (1 if sliding_window is None else 2)  # window rows after the rows
         # Host-side truth.
         self.free_pages: deque[int] = deque(range(num_pages))
         self.ref_counts = [0] * num_pages
         self.cached_pages: OrderedDict[int, None] = OrderedDict()  # unreferenced registered pages, LRU first
         self.page_keys: dict[int, bytes] = {}  # registered page -> content key
         self.key_pages: dict[bytes, int] = {}  # content key -> registered page
-        self.seq_pages: list[list[int] | None] = [None] * max_batch_size  # None: row unused
-        self.seq_lens = [0] * max_batch_size
+        self.seq_pages: list[list[int] | None] = [None] * total_rows  # None: row unused
+        self.seq_lens = [0] * total_rows
         self.window: int | None = None  # positions back any query attends, where every layer has a window
-        self.first_held = [0] * max_batch_size  # each row's first page it still holds (pages before: released)
+        self.first_held = [0] * total_rows  # each row's first page it still holds (pages before: released)
         # Live-token accounting, kept as pages change (no walk over the rows per step): a page's
         # fill is how many of its slots hold tokens of its owners (the most any owner holds: owners
         # of a shared page agree unless one was truncated, since nobody writes into a shared page);
@@ -161,11 +175,11 @@ class PageTable:
         self.live_tokens = 0
         self._uneven: set[int] = set()  # shared pages truncated by one owner: owners' fills differ
         # Device mirrors read by masks and slot computation.
-        self.table = torch.full((max_batch_size, max_pages_per_seq), -1, dtype=torch.int32, device=self.device)
+        self.table = torch.full((total_rows, max_pages_per_seq), -1, dtype=torch.int32, device=self.device)
         # Logical block index of each physical page (-1: free, and for the sink page at the
         # end). A page sits at the same logical index in every row that shares it.
         self.page_logical = torch.full((num_pages + 1,), -1, dtype=torch.int32, device=self.device)
-        self.lens = torch.zeros(max_batch_size, dtype=torch.int32, device=self.device)
+        self.lens = torch.zeros(total_rows, dtype=torch.int32, device=self.device)
         # On CPU the mirrors are written through NumPy views of the same memory: a step's few
         # updates then cost no tensor op each (tens of microseconds a step at batch 32).
         self._host = ({name: getattr(self, name).numpy() for name in ("table", "page_logical", "lens")}
@@ -192,7 +206,17 @@ class PageTable:
 
     @property
     def active_rows(self) -> list[int]:
-        return [r for r, pages in enumerate(self.seq_pages) if pages is not None]
+        return [r for r, pages in enumerate(self.seq_pages[: self.max_batch_size]) if pages is not None]
+
+    def window_row(self, row: int) -> int:
+        """The window row of ``row``: its windowed layers' pages (``sliding_window``)."""
+        if self.sliding_window is None:
+            raise ValueError("this page table keeps no window rows (sliding_window is None)")
+        return row + self.max_batch_size
+
+    def rows_of(self, row: int) -> list[int]:
+        """``row`` and its window row, where it has one."""
+        return [row] if self.sliding_window is None else [row, row + self.max_batch_size]
 
     def pages_of(self, row: int) -> list[int]:
         return list(self._pages(row))
@@ -202,18 +226,31 @@ class PageTable:
         return (torch.tensor(pages, dtype=torch.int64)[:, None] * self.page_size + torch.arange(self.page_size)).view(-1)
 
     def pages_needed(self, row: int, num_tokens: int) -> int:
-        """New pages (fresh + copy-on-write) that ``extend(row, num_tokens)`` would take."""
-        pages, length = self._pages(row), self.seq_lens[row]
+        """New pages (fresh + copy-on-write) that ``extend(row, num_tokens)`` would take (its window row's too)."""
+        self._pages(row)
+        return sum(self._pages_needed(r, num_tokens) for r in self.rows_of(row))
+
+    def _pages_needed(self, row: int, num_tokens: int) -> int:
+        pages, length = self.seq_pages[row], self.seq_lens[row]
         fresh = max(0, cdiv(length + num_tokens, self.page_size) - len(pages))
         return fresh + int(self._needs_copy(row, num_tokens))
 
     def room(self, row: int, free_pages: int) -> int:
-        """Tokens ``row`` can take in the rest of its last page and ``free_pages`` more pages."""
-        return free_pages * self.page_size + (-self.seq_lens[row]) % self.page_size
+        """Tokens ``row`` can take in the rest of its last page and ``free_pages`` more pages (a window
+        row grows page for page with its row)."""
+        return free_pages // len(self.rows_of(row)) * self.page_size + (-self.seq_lens[row]) % self.page_size
+
+    def window_pages(self, num_tokens: int) -> int:
+        """The most pages a window row holds for a sequence of ``num_tokens`` decoding (0 without
+        window rows): the window's pages and the one being written."""
+        if self.sliding_window is None:
+            return 0
+        return min(cdiv(num_tokens, self.page_size), cdiv(self.sliding_window, self.page_size) + 1)
 
     def unowned(self, pages: Sequence[int]) -> int:
-        """How many of these cached pages no sequence holds (attaching them takes them off the free list)."""
-        return sum(1 for page in pages if self.ref_counts[page] == 0)
+        """How many of these cached pages (``lookup``'s; their window pages too) no sequence holds
+        (attaching them takes them off the free list)."""
+        return sum(1 for page in [*pages, *self._window_pages(pages)] if self.ref_counts[page] == 0)
 
     # ------------------------------------------------------------------ row lifecycle
     def add_sequence(self, row: int | None = None) -> int:
@@ -227,35 +264,40 @@ class PageTable:
             raise ValueError(f"row must be in [0, {self.max_batch_size}), got {row}")
         elif self.seq_pages[row] is not None:
             raise ValueError(f"row {row} is already in use")
-        self.seq_pages[row] = []
-        self.seq_lens[row] = 0
-        self.first_held[row] = 0
+        for r in self.rows_of(row):
+            self.seq_pages[r] = []
+            self.seq_lens[r] = 0
+            self.first_held[r] = 0
         return row
 
     def free_sequence(self, row: int) -> None:
         """Release a row and drop its references; pages nobody owns return to the free list
         (registered ones to the cache, the sequence's tail first so prefixes outlive it)."""
-        pages = self._pages(row)
-        self.seq_pages[row] = None  # references are dropped once the row no longer lists them
-        self.seq_lens[row] = 0
-        for page in reversed(pages[self.first_held[row] :]):
-            self._unref(page)
-        self._set("table", row, -1)
-        self._set("lens", row, 0)
+        self._pages(row)
+        for r in self.rows_of(row):
+            pages = self.seq_pages[r]
+            self.seq_pages[r] = None  # references are dropped once the row no longer lists them
+            self.seq_lens[r] = 0
+            for page in reversed(pages[self.first_held[r] :]):
+                self._unref(page)
+            self._set("table", r, -1)
+            self._set("lens", r, 0)
         if len(self.free_pages) == self.num_pages:  # an empty pool hands out pages in order again,
             self.free_pages = deque(range(self.num_pages))  # so a lone sequence's K/V stay contiguous
 
     def fork(self, src: int, dst: int | None = None) -> int:
         """New row sharing every page of ``src`` (each gains a reference)."""
-        pages = self._pages(src)
+        self._pages(src)
         dst = self.add_sequence(dst)
-        for page in pages[self.first_held[src] :]:
-            self.ref_counts[page] += 1
-        self.seq_pages[dst] = list(pages)
-        self.seq_lens[dst] = self.seq_lens[src]
-        self.first_held[dst] = self.first_held[src]
-        self.table[dst] = self.table[src]
-        self.lens[dst] = self.seq_lens[src]
+        for s, d in zip(self.rows_of(src), self.rows_of(dst)):
+            pages = self.seq_pages[s]
+            for page in pages[self.first_held[s] :]:
+                self.ref_counts[page] += 1
+            self.seq_pages[d] = list(pages)
+            self.seq_lens[d] = self.seq_lens[s]
+            self.first_held[d] = self.first_held[s]
+            self.table[d] = self.table[s]
+            self.lens[d] = self.seq_lens[s]
         return dst
 
     def permute(self, rows: Sequence[int], sources: Sequence[int]) -> None:
@@ -263,7 +305,14 @@ class PageTable:
         reference counts move, K/V bytes do not. Sources must be among ``rows``."""
         if len(rows) != len(sources) or not set(sources) <= set(rows):
             raise ValueError(f"sources {list(sources)} must be taken from rows {list(rows)}")
-        new_pages = [list(self._pages(src)) for src in sources]
+        for row in rows:
+            self._pages(row)
+        self._permute(rows, sources)
+        if self.sliding_window is not None:
+            self._permute([self.window_row(r) for r in rows], [self.window_row(r) for r in sources])
+
+    def _permute(self, rows: Sequence[int], sources: Sequence[int]) -> None:
+        new_pages = [list(self.seq_pages[src]) for src in sources]
         new_lens = [self.seq_lens[src] for src in sources]
         new_first = [self.first_held[src] for src in sources]
         for pages, first in zip(new_pages, new_first):
@@ -279,12 +328,17 @@ class PageTable:
 
     def truncate(self, row: int, length: int) -> None:
         """Keep only the first ``length`` tokens of a row; pages past them lose a reference."""
-        pages = self._pages(row)
+        self._pages(row)
         if not 0 <= length <= self.seq_lens[row]:
             raise ValueError(f"cannot truncate row {row} of {self.seq_lens[row]} tokens to {length}")
-        if self._window_start(length) < self.first_held[row]:
+        if any(self._window_start(r, length) < self.first_held[r] for r in self.rows_of(row)):
             raise ValueError(f"cannot truncate row {row} to {length} tokens: the pages its window would need "
                              f"were given back")
+        for r in self.rows_of(row):
+            self._truncate(r, length)
+
+    def _truncate(self, row: int, length: int) -> None:
+        pages = self.seq_pages[row]
         keep = cdiv(length, self.page_size)
         dropped = pages[keep:]
         del pages[keep:]
@@ -314,9 +368,13 @@ class PageTable:
             raise ValueError(f"rows ({len(rows)}) and num_tokens ({len(num_tokens)}) differ in length")
         if len(set(rows)) != len(rows):
             raise ValueError(f"rows must be distinct, got {list(rows)}")
+        for row in rows:
+            self._pages(row)  # ValueError for a row holding no sequence
+        if self.sliding_window is not None:  # window rows grow with their rows
+            rows, num_tokens = [*rows, *(self.window_row(r) for r in rows)], [*num_tokens, *num_tokens]
         page_size, needed, growth = self.page_size, 0, []
         for row, n in zip(rows, num_tokens):
-            pages, length = self._pages(row), self.seq_lens[row]  # ValueError for a row holding no sequence
+            pages, length = self.seq_pages[row], self.seq_lens[row]
             if n < 0:
                 raise ValueError(f"num_tokens must be >= 0, got {n} for row {row}")
             total_pages = cdiv(length + n, page_size)
@@ -326,7 +384,7 @@ class PageTable:
                     f"a sequence may hold at most {self.max_pages_per_seq} pages "
                     f"({self.max_pages_per_seq * page_size} tokens)"
                 )
-            needed += self.pages_needed(row, n)
+            needed += self._pages_needed(row, n)
             growth.append((row, n, pages, length, total_pages))
         if needed > self.num_free_pages:
             raise OutOfPagesError(
@@ -351,7 +409,7 @@ class PageTable:
                     self._set("page_logical", pages[first_new:], list(range(first_new, total_pages)))
             self.live_tokens += n
             self.seq_lens[row] = length + n
-            self._release(row, self._window_start(length))  # the step's earliest query is at ``length``
+            self._release(row, self._window_start(row, length))  # the step's earliest query is at ``length``
         if rows:
             self._set("lens", list(rows), [self.seq_lens[r] for r in rows])
         return copies
@@ -380,31 +438,46 @@ class PageTable:
     def register(self, row: int, index: int, key: bytes) -> None:
         """Record that the row's full page ``index`` holds the content named ``key``.
 
-        The first page registered under a key keeps it (a later duplicate stays private).
+        The first page registered under a key keeps it (a later duplicate stays private). A window
+        row's page of the same tokens, while it holds it, is registered under ``key + WINDOW_KEY``.
         """
-        pages = self._pages(row)
+        self._pages(row)
         if (index + 1) * self.page_size > self.seq_lens[row]:
             raise ValueError(f"page {index} of row {row} is not full ({self.seq_lens[row]} tokens)")
-        page = pages[index]
-        if page != RELEASED and key not in self.key_pages and page not in self.page_keys:
-            self.key_pages[key], self.page_keys[page] = page, key
+        for r, name in zip(self.rows_of(row), (key, key + WINDOW_KEY)):
+            page = self.seq_pages[r][index]
+            if page != RELEASED and name not in self.key_pages and page not in self.page_keys:
+                self.key_pages[name], self.page_keys[page] = page, name
 
     def lookup(self, keys: Sequence[bytes]) -> list[int]:
-        """Registered pages of the longest prefix of ``keys`` (the chain stops at the first miss)."""
+        """Registered pages of the longest prefix of ``keys`` (the chain stops at the first miss; with
+        window rows, at the first page whose window page is not registered too)."""
         pages = []
         for key in keys:
             page = self.key_pages.get(key)
-            if page is None:
+            if page is None or self.sliding_window is not None and key + WINDOW_KEY not in self.key_pages:
                 break
             pages.append(page)
         return pages
 
+    def _window_pages(self, pages: Sequence[int]) -> list[int]:
+        """The window pages registered beside these registered pages (none without window rows)."""
+        if self.sliding_window is None:
+            return []
+        return [self.key_pages[self.page_keys[page] + WINDOW_KEY] for page in pages]
+
     def attach(self, row: int, pages: Sequence[int]) -> None:
-        """Give an empty row the registered ``pages`` (from ``lookup``) as its first tokens."""
+        """Give an empty row the registered ``pages`` (from ``lookup``) as its first tokens (its window
+        row their window pages)."""
         if self._pages(row) or any(p not in self.page_keys for p in pages):
             raise ValueError(f"attach needs an empty row and registered pages, got row {row} and {list(pages)}")
         if len(pages) > self.max_pages_per_seq:
             raise OutOfPagesError(f"{len(pages)} pages exceed a sequence's {self.max_pages_per_seq}")
+        window_pages = self._window_pages(pages)  # KeyError before anything changes if one is missing
+        for r, held in zip(self.rows_of(row), (pages, window_pages)):
+            self._attach(r, held)
+
+    def _attach(self, row: int, pages: Sequence[int]) -> None:
         for page in pages:
             self.cached_pages.pop(page, None)
             held = self.page_fill[page] if self.ref_counts[page] else 0  # a registered page is full
@@ -434,9 +507,13 @@ class PageTable:
         def ints(value: int) -> torch.Tensor:
             return torch.full((decode_len,), value, dtype=torch.int64, device=self.device)
 
-        return PackedPlan(slots=ints(self.sink_slot).view(1, decode_len), tok_rows=ints(0), tok_pos=ints(-1),
-                          position_ids=ints(0).view(1, decode_len), decode_rows=(), chunks=(), decode_len=decode_len,
-                          chunk_block=1, q_len=decode_len, decode_tokens=decode_len)
+        def plan(window_plan: PackedPlan | None = None) -> PackedPlan:
+            return PackedPlan(slots=ints(self.sink_slot).view(1, decode_len), tok_rows=ints(0), tok_pos=ints(-1),
+                              position_ids=ints(0).view(1, decode_len), decode_rows=(), chunks=(),
+                              decode_len=decode_len, chunk_block=1, q_len=decode_len, decode_tokens=decode_len,
+                              window_plan=window_plan)
+
+        return plan(None if self.sliding_window is None else plan())
 
     def plan_packed(self, decode_rows: Sequence[int], chunks: Sequence[tuple[int, int]], decode_len: int,
                     chunk_len: int, chunk_block: int, pad_decode: bool = False,
@@ -451,7 +528,19 @@ class PageTable:
         so compiled shapes repeat); with ``pad_decode`` the packed row holds all ``decode_len``
         decode positions, the padding ones written to the sink page. ``into``: a ``static_plan`` of
         ``decode_len`` for a padded decode-only step, whose tensors are rewritten and which is returned.
+        With window rows the plan carries the same step over them (``window_plan``: their slots, and
+        rows for their masks).
         """
+        plan = self._plan_packed(decode_rows, chunks, decode_len, chunk_len, chunk_block, pad_decode, into)
+        if self.sliding_window is None:
+            return plan
+        window = self._plan_packed([self.window_row(r) for r in decode_rows],
+                                   [(self.window_row(r), n) for r, n in chunks], decode_len, chunk_len, chunk_block,
+                                   pad_decode, None if into is None else into.window_plan)
+        return plan if into is not None else replace(plan, window_plan=window)
+
+    def _plan_packed(self, decode_rows: Sequence[int], chunks: Sequence[tuple[int, int]], decode_len: int,
+                     chunk_len: int, chunk_block: int, pad_decode: bool, into: PackedPlan | None) -> PackedPlan:
         decode_tokens = decode_len if pad_decode else len(decode_rows)
         q_len, lens = decode_tokens + chunk_len, self.seq_lens
         rows, positions = [0] * q_len, [-1] * q_len
@@ -502,7 +591,7 @@ class PageTable:
 
     def _needs_copy(self, row: int, num_tokens: int) -> bool:
         """A write into a partly filled last page that is shared or registered goes to a copy."""
-        pages, length = self._pages(row), self.seq_lens[row]
+        pages, length = self.seq_pages[row], self.seq_lens[row]
         if num_tokens == 0 or length % self.page_size == 0:
             return False
         return self.ref_counts[pages[-1]] > 1 or pages[-1] in self.page_keys
@@ -529,9 +618,10 @@ class PageTable:
         self._set("page_logical", dst, len(pages) - 1)
         return src, dst
 
-    def _window_start(self, position: int) -> int:
-        """The first page a query at ``position`` may attend (0 without a window)."""
-        return 0 if self.window is None else max(0, position - self.window + 1) // self.page_size
+    def _window_start(self, row: int, position: int) -> int:
+        """The first page a query of ``row`` at ``position`` may attend (0 without a window)."""
+        window = self.sliding_window if row >= self.max_batch_size else self.window
+        return 0 if window is None else max(0, position - window + 1) // self.page_size
 
     def _release(self, row: int, end: int) -> None:
         """Give back the row's pages before page ``end`` that it still holds."""

@@ -71,8 +71,10 @@ class BlockManager:
 
     def admission_pages(self, seq: Sequence, hit: list[int]) -> int:
         """Pages admitting a waiting sequence takes from the free pool, all its tokens counted,
-        given its cached prefix ``hit`` (cached pages nobody holds count too)."""
-        return cdiv(len(seq.tokens), self.page_size) - len(hit) + self._pages.unowned(hit)
+        given its cached prefix ``hit`` (cached pages nobody holds count too) and its window row's pages
+        (``PageTable.window_pages``)."""
+        tokens = len(seq.tokens)
+        return cdiv(tokens, self.page_size) - len(hit) + self._pages.unowned(hit) + self._pages.window_pages(tokens)
 
     # ------------------------------------------------------------------ prefix cache
     def keys(self, seq: Sequence, num_tokens: int) -> list[bytes]:
