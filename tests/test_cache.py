@@ -7,7 +7,7 @@ from transformers import LlamaConfig
 from transformers.cache_utils import Cache
 
 import flexpage
-from flexpage import OutOfPagesError, PagedKVCache
+from flexpage import OutOfPagesError, PagedKVCache, zoo
 from flexpage.core.step_shape import StepShape
 
 D = 8
@@ -23,6 +23,44 @@ def test_built_from_a_transformers_config():
     cache = PagedKVCache(config, page_size=16, num_pages=10, max_batch_size=2)
     assert isinstance(cache, Cache) and len(cache.layers) == 3
     assert cache.layers[0].keys.shape == (1, 2, 11 * 16, 16)  # + sink page; head_dim = 64 / 4
+
+
+def test_windowed_layers_keep_their_window_in_window_rows_of_the_global_layers_pools():
+    """Gemma 2-shaped (layer 0 attends 32 positions back, layer 1 every position): the windowed
+    layer's K/V go to the row's window row, in the global layer's pool tensors (the bytes of the
+    same tokens in two pools of their own), and never overwrite the global layer's; the window
+    row gives back the pages before its window while the row keeps every page."""
+    config = zoo.load_config("gemma2-tiny")
+    heads, dim = config.num_key_value_heads, config.head_dim
+    cache = PagedKVCache(config, page_size=16, num_pages=flexpage.core.cache.pages_for_tokens(config, 128, 16),
+                         max_batch_size=2)
+    plain = PagedKVCache(num_layers=2, num_kv_heads=heads, head_dim=dim, page_size=16, num_pages=8, max_batch_size=2)
+    assert cache.windowed == {0} and cache.page_table.sliding_window == config.sliding_window == 32
+    assert cache.layers[0].keys is cache.layers[1].keys and len(cache.pool_layers) == 1
+    assert cache.page_table.num_pages * cache.bytes_per_token == plain.page_table.num_pages * plain.bytes_per_token
+    with pytest.raises(ValueError, match="packed steps"):
+        cache.begin_step([cache.add_sequence()], [1])
+    row = cache.add_sequence()
+    written = {0: [], 1: []}
+    for n in (40, *[1] * 30):  # a prefill chunk, then one token a step
+        cache.begin_packed_step([row] if n == 1 else [], [] if n == 1 else [(row, n)], n == 1, 0 if n == 1 else n, 1)
+        for layer in (0, 1):
+            keys, values = torch.randn(1, heads, n, dim), torch.randn(1, heads, n, dim)
+            cache.update(keys, values, layer)
+            written[layer].append(keys[0])
+        if n == 40:  # every token still held by both rows
+            torch.testing.assert_close(cache.gather(0, row)[0], written[0][0], rtol=0, atol=0)
+    torch.testing.assert_close(cache.gather(1, row)[0], torch.cat(written[1], 1), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="gave back"):
+        cache.gather(0, row)
+    pt, window_row = cache.page_table, cache.page_table.window_row(row)
+    first = pt.first_held[window_row]
+    assert first == (70 - 1 - 32 + 1) // 16 and len(pt.seq_pages[window_row]) - first <= 3
+    slots = pt.slots_of(pt.seq_pages[window_row][first:])[: 70 - first * 16]
+    torch.testing.assert_close(cache.layers[0].keys[0, :, slots], torch.cat(written[0], 1)[:, first * 16 :],
+                               rtol=0, atol=0)
+    cache.free_sequence(row)
+    assert cache.stats().pages_used == 0 and cache.stats().live_tokens == 0  # both rows gave every page back
 
 
 def test_written_tokens_read_back_through_pages():

@@ -207,7 +207,7 @@ class PagedKVCache(Cache):
         All or nothing: on ``OutOfPagesError`` no page, length or K/V byte has changed.
         """
         if self.windowed:
-            raise ValueError("a cache whose windowed layers keep their own pages takes packed steps (begin_packed_step)")
+            raise ValueError("a cache whose windowed layers keep window rows takes packed steps (begin_packed_step)")
         self.reserve(rows, new_tokens)
         self.step = self.page_table.plan(rows, new_tokens, q_len)
         return self.step
@@ -411,12 +411,6 @@ class PagedKVCache(Cache):
         (a token within its window takes a slot of its window row too, where those are kept)."""
         return sum(2 * layer.keys.shape[1] * layer.keys.shape[3] * layer.keys.element_size()
                    for layer in self.pool_layers)
-
-    def held_bytes(self, row: int) -> int:
-        """Pool bytes of the pages ``row`` (and its window row) holds now."""
-        pages = sum(len(self.page_table.seq_pages[r]) - self.page_table.first_held[r]
-                    for r in self.page_table.rows_of(row))
-        return pages * self.page_size * self.bytes_per_token
 
     def stats(self) -> CacheStats:
         """Pages in use and live tokens (shared pages counted once), from counts the page table

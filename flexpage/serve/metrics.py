@@ -25,7 +25,7 @@ class Metrics:
         self.running = make(Gauge, "num_requests_running", "Requests in the engine's running batch")
         self.waiting = make(Gauge, "num_requests_waiting", "Requests waiting to be admitted")
         self.kv_usage = make(Gauge, "kv_cache_usage_perc", "Fraction of KV-cache pages in use (1 = full)")
-        make(Gauge, "kv_cache_bytes_per_token", "KV-cache pool bytes per token (all layers, K and V, scales included)"
+        make(Gauge, "kv_cache_bytes_per_token", "KV-cache pool bytes per token slot (every pool, K and V, scales included)"
              ).set(kv_bytes_per_token)
         self.prefix_queries = make(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_hit_tokens = make(Counter, "prefix_cache_hits", "Prompt tokens served from the prefix cache")
