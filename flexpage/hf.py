@@ -423,9 +423,14 @@ def _shadowed_forward(model: PreTrainedModel) -> Any:
 
 def _paged_forward(self: PreTrainedModel, *args: Any, **kwargs: Any) -> Any:
     """``forward`` on a model wrapped with ``compile_decode``: a decode step of ``generate`` (its paged step
-    begun, one new token per sequence) runs its bucket's static step when that is compiled; every
-    other forward is the class's."""
+    begun, one new token per sequence), or a direct call feeding one token per sequence over the wrapped
+    cache (its step begun here), runs its bucket's static step when that is compiled; every other
+    forward is the class's."""
     state, mask = self._flexpage, kwargs.get("attention_mask")
+    ids = kwargs.get("input_ids")
+    if (not args and mask is None and kwargs.get("position_ids") is None and _paged_cache(kwargs) is state.cache
+            and ids is not None and ids.dim() == 2 and ids.shape[1] == 1):
+        mask = kwargs["attention_mask"] = paged_step_mask(state.cache, ids, None, state.shape)
     plain = args or not isinstance(mask, BatchStepMask) or mask.plan.chunks or kwargs.get("input_ids") is None
     if plain or kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
         return type(self).forward(self, *args, **kwargs)

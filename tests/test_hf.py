@@ -343,6 +343,19 @@ def test_compiled_decode_matches_stock_without_recompiles():
     assert compiled_graphs() == graphs  # a new prompt length reuses the decode graph (prefill bucket 64 too)
     steps = flexpage.paged_state(model).steps
     assert steps.steps >= 2 * 29 and steps.buckets >= {1, 2}  # every decode step but the first ran compiled
+    # a manual loop over the wrapped cache: its one-token forwards run the compiled step too, at stock's logits
+    from transformers import DynamicCache
+
+    cache, reference, name = flexpage.paged_state(model).cache, DynamicCache(), flexpage_hf.cache_argument(model)
+    cache.reset()
+    before, token = steps.steps, ids2[:, -20:]  # two rows: the decode bucket generate compiled
+    with torch.no_grad():
+        for _ in range(6):
+            expected = stock(token, **{name: reference}).logits
+            got = model(input_ids=token, **{name: cache}).logits
+            assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
+            token = expected[:, -1:].argmax(-1)
+    assert steps.steps == before + 5 and compiled_graphs() == graphs  # the prompt eager, each token compiled
     flexpage.unwrap(model)
     assert "forward" not in vars(model)  # the class's forward shows through again
 

@@ -39,14 +39,18 @@ def test_the_decode_kernel_attends_pages_in_place_as_sdpa_over_their_values(monk
     key_pool = stored(torch.randn(1, kv_heads, 700, dim) * 3, dtype)
     value_pool = stored(torch.randn(1, kv_heads, 700, dim), dtype)
     monkeypatch.setattr(kernels, "PART_KEYS", 40)  # several parts per head, none a whole block of keys
-    for query_dtype in (torch.float32, torch.bfloat16):
+    for query_dtype, cap in ((torch.float32, None), (torch.bfloat16, None), (torch.float32, 2.0)):
         query = torch.randn(1, heads, 1, dim, dtype=query_dtype)
         for runs in [((5, 1),), ((0, 33),), ((640, 50), (3, 300), (400, 37))]:
-            got = kernels.decode_attention(query, key_pool, value_pool, *run_arrays([runs]), scale=0.3)
+            got = kernels.decode_attention(query, key_pool, value_pool, *run_arrays([runs]), scale=0.3, cap=cap)
             slots = torch.cat([torch.arange(start, start + count) for start, count in runs])
-            want = F.scaled_dot_product_attention(query.double(), values_of(key_pool[:, :, slots]).double(),
-                                                  values_of(value_pool[:, :, slots]).double(), scale=0.3,
-                                                  enable_gqa=True).float()
+            keys, values = (values_of(pool[:, :, slots]).double() for pool in (key_pool, value_pool))
+            if cap is None:
+                want = F.scaled_dot_product_attention(query.double(), keys, values, scale=0.3, enable_gqa=True).float()
+            else:  # soft-capped (Gemma 2), which SDPA has not: scores of a few units pass through tanh's bend
+                scores = query.double() @ keys.repeat_interleave(heads // kv_heads, 1).transpose(-1, -2) * 0.3
+                probs = (cap * torch.tanh(scores / cap)).softmax(-1)
+                want = (probs @ values.repeat_interleave(heads // kv_heads, 1)).float()
             assert got.dtype == query_dtype and got.shape == want.shape
             # a bfloat16 query's output is rounded to bfloat16 (half a step: 2^-9), and over
             # bfloat16 pages its probabilities may be too (each value's weight off by 2^-9)

@@ -304,15 +304,15 @@ def packed_attention(
 def _decode_rows_by_kernel(query: Tensor, key_pool: Tensor, value_pool: Tensor, block_mask: PackedBlockMask,
                            window: int | None, cap: float | None, scale: float | None) -> Tensor | None:
     """The decode region of a step (``[1, Hq, decode_tokens, D]``) by the C kernel in one call,
-    every row's keys read in place, where the policy gives it the pools' dtype; None where it does
-    not apply (scores soft-capped, a row fed several tokens, traced, no kernel). Padding rows keep
-    zeros (never read)."""
+    every row's keys read in place (scores soft-capped at ``cap``), where the policy gives it the
+    pools' dtype; None where it does not apply (a row fed several tokens, traced, no kernel).
+    Padding rows keep zeros (never read)."""
     rows = block_mask.fed_decode_rows()
-    if (cap is not None or key_pool.dtype not in device_policy(query.device).decode_kernel_dtypes
+    if (key_pool.dtype not in device_policy(query.device).decode_kernel_dtypes
             or len(set(rows)) != len(rows) or torch.compiler.is_compiling()):
         return None
     fed = query[0, :, : len(rows)].transpose(0, 1)[:, :, None]  # [rows, H, 1, D]
-    out = decode_attention(fed, key_pool, value_pool, *block_mask.decode_runs(window), scale)
+    out = decode_attention(fed, key_pool, value_pool, *block_mask.decode_runs(window), scale, cap)
     if out is None:
         return None
     return F.pad(out[:, :, 0].transpose(0, 1)[None], (0, 0, 0, block_mask.plan.decode_tokens - len(rows)))

@@ -137,6 +137,14 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
 }
 
+/* ``cap * tanh(x / cap)``: scores soft-capped at ``cap`` (Gemma 2), tanh from e^-2|x/cap|. */
+static inline __m256 softcap8(__m256 x, float cap) {
+    const __m256 sign = _mm256_and_ps(x, _mm256_set1_ps(-0.0f));
+    const __m256 e = exp8(_mm256_mul_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), x), _mm256_set1_ps(-2.0f / cap)));
+    const __m256 t = _mm256_div_ps(_mm256_sub_ps(_mm256_set1_ps(1.0f), e), _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+    return _mm256_or_ps(_mm256_mul_ps(t, _mm256_set1_ps(cap)), sign);
+}
+
 /* The largest of the eight lanes of ``v``. */
 static inline float max8(__m256 v) {
     __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -397,17 +405,19 @@ static inline void block_accumulate(float *acc, float (*weights)[BLOCK], const f
             for (int64_t i = 0; i < dim; i++) acc[g * dim + i] += weights[g][j] * values[j][i];
 }
 
-/* One query head's block of ``n`` scores: scaled by their keys' scales, then turned into
- * probabilities against the new running max ``m`` (and weighed by the values' scales); the sum
- * ``l`` updated. Returns the factor the head's earlier output shrinks by. */
+/* One query head's block of ``n`` scores: scaled by their keys' scales (and soft-capped at ``cap``
+ * where it is positive), then turned into probabilities against the new running max ``m`` (and
+ * weighed by the values' scales); the sum ``l`` updated. Returns the factor the head's earlier
+ * output shrinks by. */
 static inline float block_softmax(float *row, int64_t n, const float *key_scale, const float *value_scale,
-                                  float *m, float *l) {
+                                  float cap, float *m, float *l) {
     float top = *m, sum = 0.0f;
 #ifdef VECTORS
     if (n % 8 == 0) {
         __m256 most = _mm256_set1_ps(top), total = _mm256_setzero_ps();
         for (int64_t j = 0; j < n; j += 8) {
-            const __m256 score = _mm256_mul_ps(_mm256_loadu_ps(row + j), _mm256_loadu_ps(key_scale + j));
+            __m256 score = _mm256_mul_ps(_mm256_loadu_ps(row + j), _mm256_loadu_ps(key_scale + j));
+            if (cap > 0.0f) score = softcap8(score, cap);
             _mm256_storeu_ps(row + j, score);
             most = _mm256_max_ps(most, score);
         }
@@ -423,6 +433,7 @@ static inline float block_softmax(float *row, int64_t n, const float *key_scale,
     {
         for (int64_t j = 0; j < n; j++) {
             row[j] *= key_scale[j];
+            if (cap > 0.0f) row[j] = cap * tanhf(row[j] / cap);
             top = row[j] > top ? row[j] : top;
         }
         for (int64_t j = 0; j < n; j++) {
@@ -448,8 +459,8 @@ static inline int64_t slot_of(const int64_t *starts, const int64_t *counts, int6
  * for each of the ``group`` query heads ``q`` (scaled by the softmax scale already). */
 static inline void attend_part(const float *q, const uint8_t *keys, const uint8_t *values, int64_t dim,
                                int64_t group, const int64_t *starts, const int64_t *counts, int64_t runs,
-                               int64_t lo, int64_t hi, int format, const float *lut, float scale, int bf16_query,
-                               float *m, float *l, float *acc) {
+                               int64_t lo, int64_t hi, int format, const float *lut, float scale, float cap,
+                               int bf16_query, float *m, float *l, float *acc) {
     float converted[BLOCK * MAX_DIM];  /* rows of ``dim`` floats, packed: no cache-set conflicts */
     float scores[MAX_GROUP][BLOCK];
     float key_scale[BLOCK + 8], value_scale[BLOCK];
@@ -476,7 +487,7 @@ static inline void attend_part(const float *q, const uint8_t *keys, const uint8_
         for (int64_t j = 0; j < n; j++) key_scale[j] *= scale;
         value_rows(values, slots, n, dim, format, lut, converted, rows, value_scale, heads.bf16 != NULL);
         for (int64_t g = 0; g < group; g++) {
-            const float shrink = block_softmax(scores[g], n, key_scale, value_scale, m + g, l + g);
+            const float shrink = block_softmax(scores[g], n, key_scale, value_scale, cap, m + g, l + g);
             for (int64_t i = 0; i < dim; i++) acc[g * dim + i] *= shrink;
         }
 #ifdef BF16_DOTS
@@ -499,13 +510,14 @@ static inline void attend_part(const float *q, const uint8_t *keys, const uint8_
  * 256 float values of float8 bytes (FLOAT8 only); ``bf16_query``: nonzero where the query came
  * in bfloat16 (its values exact in bfloat16, its output rounded to it), so that bfloat16 pages
  * take bfloat16 products: the query's and the probabilities' (rounded to bfloat16, as SDPA's
- * bfloat16 kernel rounds them); out [rows, kv_heads, group, dim].
+ * bfloat16 kernel rounds them); ``cap``: scores soft-capped, ``cap * tanh(score / cap)``, where it is
+ * positive; out [rows, kv_heads, group, dim].
  * Returns 0, or 1 for shapes it does not take, 2 where memory ran out. */
 int flexpage_decode_attention(const float *query, const uint8_t *key_pool, const uint8_t *value_pool,
                               int64_t rows, int64_t kv_heads, int64_t pool_slots, int64_t dim, int64_t group,
                               const int64_t *first_run, const int64_t *starts, const int64_t *counts,
-                              float scale, int64_t part_keys, int format, const float *lut, int bf16_query,
-                              float *out) {
+                              float scale, float cap, int64_t part_keys, int format, const float *lut,
+                              int bf16_query, float *out) {
     if (group > MAX_GROUP || dim > MAX_DIM || rows <= 0 || part_keys <= 0 || format < INT8 || format > BFLOAT16
         || (format == FLOAT8 && !lut))
         return 1;
@@ -550,7 +562,7 @@ int flexpage_decode_attention(const float *query, const uint8_t *key_pool, const
         const int64_t runs = first_run[r + 1] - first_run[r];
 #define ATTEND(DIM, FORMAT) attend_part(q + (r * kv_heads + head) * padded * dim, key_pool + head * head_bytes,    \
                                         value_pool + head * head_bytes, DIM, group, run_starts, run_counts, runs, \
-                                        lo, hi, FORMAT, lut, scale, bf16_query, m + item * group,                \
+                                        lo, hi, FORMAT, lut, scale, cap, bf16_query, m + item * group,           \
                                         l + item * group, acc + item * group * dim)
 #define FORMATS(DIM) switch (format) {                                                    \
         case INT8: ATTEND(DIM, INT8); break;                                              \

@@ -46,7 +46,7 @@ _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 ENTRY_POINTS: dict[str, dict[str, Signature]] = {
     "decode_attention": {"flexpage_decode_attention": (
         [_POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE, _SIZE, _SIZE, _POINTER, _POINTER, _POINTER,
-         ctypes.c_float, _SIZE, ctypes.c_int, _POINTER, ctypes.c_int, _POINTER], ctypes.c_int)},
+         ctypes.c_float, ctypes.c_float, _SIZE, ctypes.c_int, _POINTER, ctypes.c_int, _POINTER], ctypes.c_int)},
     "row_linear": {"flexpage_f32_linear": ([_POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE, _POINTER], ctypes.c_int),
                    "flexpage_bf16_linear": ([_POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE, _POINTER], ctypes.c_int),
                    "flexpage_row_linear_formats": ([], ctypes.c_int)},
@@ -167,13 +167,14 @@ def _fp8_table(device: torch.device) -> Tensor:
 
 
 def decode_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, first_run: Tensor, runs: Tensor,
-                     scale: float | None = None) -> Tensor | None:
+                     scale: float | None = None, cap: float | None = None) -> Tensor | None:
     """The attention of ``R`` decode tokens (``query`` ``[R, Hq, 1, D]``, CPU), each of its own
     sequence, over pools ``[1, Hkv, slots, D]`` of float32 or bfloat16, or quantised ones
     (``[.., D + 2]``, ``quant.quantise``'s layout), read in place; the sequences' keys lie in runs
     of consecutive slots (``masks.run_arrays``: ``first_run`` ``[R + 1]``, ``runs`` ``[2, n]``).
     A bfloat16 query over bfloat16 pages takes AVX512-BF16 products where the CPU has them (its
     probabilities rounded to bfloat16 for the values' products, as SDPA's bfloat16 kernel does).
+    ``cap`` soft-caps the scores (``cap * tanh(score / cap)``, Gemma 2's ``mods.softcap``).
     Returns ``[R, Hq, 1, D]`` in the query's dtype, or None where the kernel does not apply (no
     compiler; pools not contiguous, on another device or of another dtype; more than 16 query
     heads per KV head; ``D`` over 256)."""
@@ -195,7 +196,7 @@ def decode_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, first_
     status = lib.flexpage_decode_attention(
         folded.data_ptr(), key_pool.data_ptr(), value_pool.data_ptr(), rows, kv_heads, key_pool.shape[2], dim,
         heads // kv_heads, first_run.data_ptr(), runs[0].data_ptr(), runs[1].data_ptr(),
-        dim ** -0.5 if scale is None else scale, part_keys, FORMATS[key_pool.dtype],
+        dim ** -0.5 if scale is None else scale, 0.0 if cap is None else cap, part_keys, FORMATS[key_pool.dtype],
         None if table is None else table.data_ptr(), query.dtype == torch.bfloat16, out.data_ptr())
     if status:
         raise RuntimeError(f"flexpage_decode_attention failed with status {status}")
