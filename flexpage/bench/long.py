@@ -13,7 +13,9 @@ records the fraction of K/V bytes it holds against keeping every page. The ``gro
 is a model whose layers alternate a sliding window and global attention (``--groups-model``,
 Gemma 2-shaped): its windowed layers' pages are held by the row's window row, which keeps only
 the window's (``PagedKVCache``), the global layers' by the row. TTFT is a real prefill of
-L tokens, up to ``--prefill-max``. Stock runs the same steps over its dynamic cache. Every length
+L tokens, up to ``--prefill-max``. The paged models decode through ``wrap``'s compiled static step
+(``compile_decode=True``; ``--eager``: the eager forward). Stock runs the same steps over its
+dynamic cache. Every length
 is measured once per round, configurations in turn; each cell reports its median round.
 
 Faithfulness, for each quantised format: the attention outputs of every layer during a prefill of
@@ -206,12 +208,13 @@ def plot(summary: list[dict], meta: dict, path: str) -> None:
 def decode_cells(args: argparse.Namespace) -> None:
     """Batch-1 decode at each length for each configuration, in rounds; writes ``<name>.*``."""
     tokens = max(args.lengths) + args.steps + 64
-    models = {f"pages_{f}": flexpage.wrap(zoo.load(args.model), kv_dtype=None if f == "auto" else f,
-                                          max_cached_tokens=tokens, max_batch_size=1) for f in args.formats}
+    options = dict(max_cached_tokens=tokens, max_batch_size=1, compile_decode=not args.eager)
+    models = {f"pages_{f}": flexpage.wrap(zoo.load(args.model), kv_dtype=None if f == "auto" else f, **options)
+              for f in args.formats}
     if args.window_model:  # every layer attends a window: the pages before it are given back
-        models["window"] = flexpage.wrap(zoo.load(args.window_model), max_cached_tokens=tokens, max_batch_size=1)
+        models["window"] = flexpage.wrap(zoo.load(args.window_model), **options)
     if args.groups_model:  # windowed layers beside global ones: the windowed layers' pages before it are given back
-        models["groups"] = flexpage.wrap(zoo.load(args.groups_model), max_cached_tokens=tokens, max_batch_size=1)
+        models["groups"] = flexpage.wrap(zoo.load(args.groups_model), **options)
     stock = None if args.no_stock else zoo.load(args.model)
     configs = [*models, *([] if stock is None else ["stock"])]
     records = []
@@ -290,6 +293,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="a zoo model whose layers alternate a sliding window and global attention, decoded "
                              "over model-dtype pages beside the others ('' leaves it out)")
     parser.add_argument("--no-stock", action="store_true", help="leave out stock's dynamic cache")
+    parser.add_argument("--eager", action="store_true",
+                        help="decode eagerly (default: wrap's compiled static decode step, compile_decode=True)")
     parser.add_argument("--steps", type=int, default=8, help="decode steps timed per cell and round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prefill-max", type=int, default=8192, help="the longest context whose TTFT is measured")
@@ -305,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     args.model = zoo.chosen_model(args)
     if args.quick:
-        args.lengths, args.steps, args.rounds, args.prefill_max = [64, 512], 4, 1, 512
+        args.lengths, args.steps, args.rounds, args.prefill_max, args.eager = [64, 512], 4, 1, 512, True
         args.window_model = args.window_model and "mistral-tiny"
         args.groups_model = args.groups_model and "gemma2-tiny"
         args.faith_models, args.faith_lengths, args.faith_tokens, args.faith_prompts = [args.model], [64], 16, 1
