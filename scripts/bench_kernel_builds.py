@@ -1,7 +1,7 @@
 """Two builds of flexpage's decode kernel, alternated call by call in one process: the source at a
 git revision (``--base``) against this checkout's, each built with the flags flexpage builds it
 with. One call attends ``llama-small``'s head shape (8 query heads over 2 KV heads of 64) over
-float32, bfloat16 (a bfloat16 query) or int8 pages; each cell is the median of ``--rounds``
+float32, bfloat16 (a bfloat16 query), int8 or float8 pages; each cell is the median of ``--rounds``
 calls, beside one read of the same K/V bytes (``bench.roofline.read_ms``). The outputs of the two
 builds are compared too (their largest difference).
 
@@ -30,27 +30,29 @@ from flexpage.core.quant import quantise  # noqa: E402
 
 SOURCE = "flexpage/core/decode_attention.c"
 CASES = [(32, 512), (1, 512), (1, 32768)]  # (decode tokens, keys each)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8, "float8": torch.float8_e4m3fn}
+FLOAT8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # the kernel's float8 table
 
 
-def build(source: str, directory: Path, name: str) -> tuple[ctypes.CDLL, bool]:
+def build(source: str, directory: Path, name: str) -> tuple[ctypes.CDLL, bool, bool]:
     """``source`` compiled as flexpage compiles its kernels, loaded with the entry point's signature;
-    and whether it takes the ``bf16_query`` argument (sources before it did not)."""
+    and whether it takes the ``bf16_query`` and ``cap`` arguments (sources before them did not)."""
     path, built = directory / f"{name}.c", directory / f"{name}.so"
     path.write_text(source)
     subprocess.run([kernels.compiler() or "cc", *kernels.FLAGS, "-o", str(built), str(path), "-lm"], check=True)
     lib = ctypes.CDLL(str(built))
     entry = lib.flexpage_decode_attention
     argtypes, entry.restype = kernels.ENTRY_POINTS["decode_attention"]["flexpage_decode_attention"]
-    flagged = "bf16_query" in source
+    flagged, capped = "bf16_query" in source, "float cap" in source
+    argtypes = argtypes if capped else argtypes[:12] + argtypes[13:]  # the cap follows the scale
     entry.argtypes = argtypes if flagged else argtypes[:-2] + argtypes[-1:]
-    return lib, flagged
+    return lib, flagged, capped
 
 
-def attend(built: tuple[ctypes.CDLL, bool], query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+def attend(built: tuple[ctypes.CDLL, bool, bool], query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
            first: torch.Tensor, runs: torch.Tensor) -> torch.Tensor:
     """``kernels.decode_attention``'s call, through ``built``'s library."""
-    lib, flagged = built
+    lib, flagged, capped = built
     rows, heads, _, dim = query.shape
     kv_heads = keys.shape[1]
     folded = query.reshape(rows, kv_heads, heads // kv_heads, dim).float().contiguous()
@@ -58,8 +60,9 @@ def attend(built: tuple[ctypes.CDLL, bool], query: torch.Tensor, keys: torch.Ten
     part_keys = max(kernels.PART_KEYS, kernels.cdiv(int(runs[1].sum()) * kv_heads, 4 * torch.get_num_threads()))
     status = lib.flexpage_decode_attention(
         folded.data_ptr(), keys.data_ptr(), values.data_ptr(), rows, kv_heads, keys.shape[2], dim, heads // kv_heads,
-        first.data_ptr(), runs[0].data_ptr(), runs[1].data_ptr(), dim ** -0.5, part_keys, kernels.FORMATS[keys.dtype],
-        None, *([query.dtype == torch.bfloat16] if flagged else []), out.data_ptr())
+        first.data_ptr(), runs[0].data_ptr(), runs[1].data_ptr(), dim ** -0.5, *([0.0] if capped else []), part_keys,
+        kernels.FORMATS[keys.dtype], FLOAT8_VALUES.data_ptr() if keys.dtype == torch.float8_e4m3fn else None,
+        *([query.dtype == torch.bfloat16] if flagged else []), out.data_ptr())
     if status:
         raise RuntimeError(f"flexpage_decode_attention failed with status {status}")
     return out
@@ -78,7 +81,7 @@ def main() -> None:
         for rows, width in CASES:
             for name, dtype in DTYPES.items():
                 keys, values = torch.randn(2, 1, 2, rows * width, 64).unbind(0)
-                keys, values = ((quantise(keys, dtype), quantise(values, dtype)) if dtype == torch.int8
+                keys, values = ((quantise(keys, dtype), quantise(values, dtype)) if dtype in (torch.int8, torch.float8_e4m3fn)
                                 else (keys.to(dtype), values.to(dtype)))
                 query = torch.randn(rows, 8, 1, 64, dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
                 first = torch.arange(rows + 1)
