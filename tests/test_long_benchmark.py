@@ -28,6 +28,15 @@ def test_a_filled_context_decodes_as_stock_over_the_same_kv(name):
     assert cache.seq_length(cache.batch_rows[0]) == 101
 
 
+def test_teacher_forced_choices_of_a_generation_are_its_tokens():
+    """``next_tokens`` reads the greedy choice after each prefix from position 128: over a greedy
+    generation of the same model, exactly the generated tokens (positions aligned)."""
+    model = flexpage.wrap(zoo.build("llama-tiny"), max_cached_tokens=512, max_batch_size=1)
+    ids = torch.randint(3, 256, (1, 128), generator=torch.Generator().manual_seed(5))
+    generated = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)[0]
+    assert torch.equal(long.next_tokens(model, generated), generated[128:])
+
+
 def test_the_roofline_reads_a_quantised_pools_bytes():
     cache = flexpage.PagedKVCache(num_layers=1, num_kv_heads=2, head_dim=64, page_size=16, num_pages=4,
                                   max_batch_size=1, kv_dtype="int8")
@@ -57,7 +66,8 @@ def test_quick_long_benchmark_and_its_notebook(tmp_path, monkeypatch):
     assert 0.5 < summary["groups", 512]["kv_held_fraction"] <= (512 + 128) / 1024
     assert summary["groups", 64]["kv_held_fraction"] == 1
     agreement = json.loads((tmp_path / "long_agreement.json").read_text())["records"]
-    assert {r["format"] for r in agreement} == {"int8", "fp8"} and all(0 <= r["agree"] <= 1 for r in agreement)
+    assert {r["format"] for r in agreement} == {"int8", "fp8"}
+    assert all(0 <= r["agree"] <= 1 and 0 <= r["forced_agree"] <= 1 for r in agreement)
     errors = (tmp_path / "long_attention_error.csv").read_text().splitlines()
     assert len(errors) == 1 + 2 * zoo.load_config("llama-tiny").num_hidden_layers  # a row per format and layer
     assert (tmp_path / "long.png").stat().st_size > 0

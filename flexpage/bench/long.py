@@ -22,7 +22,8 @@ Faithfulness, for each quantised format: the attention outputs of every layer du
 L tokens against those over model-dtype pages (max and mean absolute error, and the mean relative
 to the outputs' mean magnitude), and the greedy tokens of 256-token generations from several zoo
 models against model-dtype pages (the fraction of positions that agree; a divergence makes the
-rest of a generation disagree).
+rest of a generation disagree), and teacher-forced: at each of those positions, after the
+model-dtype pages' tokens, whether the format picks the same next token.
 
     flexpage bench long                     # llama-small, 128..65536, model dtype / int8 / fp8, stock,
                                             # mistral-small, gemma2-small
@@ -142,10 +143,23 @@ def attention_outputs(model: PreTrainedModel, ids: torch.Tensor) -> list[torch.T
     return outputs
 
 
+def next_tokens(model: PreTrainedModel, tokens: torch.Tensor) -> torch.Tensor:
+    """The wrapped model's greedy choice after each of ``tokens``' prefixes from position 128 on, in one
+    forward over them all (teacher forcing: every position sees the same prefix whatever it chose)."""
+    cache = flexpage.paged_state(model).cache
+    cache.reset()
+    with torch.inference_mode():
+        logits = model(input_ids=tokens[None, :-1], **{cache_argument(model): cache}).logits
+    cache.reset()
+    return logits[0, 127:].argmax(-1)
+
+
 def faithfulness(models: list[str], formats: list[str], lengths: list[int], new_tokens: int, prompts: int
                  ) -> tuple[list[dict], list[dict]]:
     """Attention-output errors per layer and length (the first model) and greedy agreement per model
-    and prompt, of each quantised format against pages in the model's dtype."""
+    and prompt, of each quantised format against pages in the model's dtype: over free-running generations
+(a first difference makes the rest differ) and teacher-forced (each position after the model-dtype
+pages' tokens, ``next_tokens``)."""
     errors, agreement = [], []
     quantised = [f for f in formats if f != "auto"]
     for name in tqdm(models, desc="faithfulness", unit="model"):
@@ -167,11 +181,13 @@ def faithfulness(models: list[str], formats: list[str], lengths: list[int], new_
             ids = torch.randint(3, vocab, (1, 128), generator=torch.Generator().manual_seed(1000 + p))
             runs = {f: model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                                       pad_token_id=0)[0, 128:] for f, model in wrapped.items()}
+            forced = {f: next_tokens(model, torch.cat([ids[0], runs["auto"]])) for f, model in wrapped.items()}
             for f in quantised:
                 same = runs[f] == runs["auto"]
                 first = int((~same).nonzero()[0, 0]) if not bool(same.all()) else new_tokens
                 agreement.append({"model": name, "format": f, "prompt": p, "agree": round(float(same.float().mean()), 4),
-                                  "first_difference": first})
+                                  "first_difference": first,
+                                  "forced_agree": round(float((forced[f] == forced["auto"]).float().mean()), 4)})
         del wrapped
     return errors, agreement
 
@@ -272,6 +288,7 @@ def faithfulness_cells(args: argparse.Namespace) -> None:
     for f in dict.fromkeys(r["format"] for r in agreement):
         rows = [r for r in agreement if r["format"] == f]
         print(f"{f}: greedy agreement with model-dtype pages, median {statistics.median(r['agree'] for r in rows):.3f} "
+              f"free-running, {statistics.median(r['forced_agree'] for r in rows):.3f} teacher-forced "
               f"over {len(rows)} generations of {args.faith_tokens} tokens", flush=True)
     meta = {"machine": machine_info(), "models": args.faith_models, "tokens": args.faith_tokens,
             "command": " ".join(sys.argv)}
