@@ -258,6 +258,14 @@ def test_a_gemma2_shaped_model_keeps_only_the_window_of_its_windowed_layers():
                 checked += 1
     assert [outputs[i] for i in indices] == expected and checked > 0
     assert engine.stats().preemptions == 0 and engine.cache.stats().pages_used == 0
+    # alone in a small pool, a request of every token the engine admits runs to its end beside its window row
+    small = make_engine("gemma2", max_cached_tokens=256, compile_decode=False, warmup=False)
+    limit = small.max_seq_len
+    assert limit < small.cache.page_table.num_pages * 16
+    prompt = workload((200,))[0]
+    assert small.generate([prompt], max_new_tokens=limit - 200) == [stock_greedy(stock, prompt, limit - 200)]
+    with pytest.raises(InvalidRequestError):
+        small.generate([prompt], max_new_tokens=limit - 199)
 
 
 def test_stream_yields_each_token_as_produced(expected):

@@ -51,8 +51,9 @@ class BlockManager:
 
     @property
     def max_seq_len(self) -> int:
-        """The most tokens one sequence may hold."""
-        return min(self._pages.num_pages, self._pages.max_pages_per_seq) * self.page_size
+        """The most tokens one sequence may hold (alone in the pool, beside its window row's pages)."""
+        pages = self._pages.num_pages - self._pages.window_pages(self._pages.num_pages * self.page_size)
+        return min(pages, self._pages.max_pages_per_seq) * self.page_size
 
     # ------------------------------------------------------------------ budgets
     def pages_needed(self, seq: Sequence, num_tokens: int) -> int:
