@@ -62,8 +62,9 @@ class StaticDecode:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor a step writes in place and the compiled forward reads."""
-        plan = self.plan
-        return [self.input_ids, plan.slots, plan.tok_rows, plan.tok_pos, plan.position_ids, *self.mask.tensors()]
+        plans = [self.plan] if self.plan.window_plan is None else [self.plan, self.plan.window_plan]
+        return [self.input_ids, *(t for plan in plans for t in (plan.slots, plan.tok_rows, plan.tok_pos,
+                                                               plan.position_ids)), *self.mask.tensors()]
 
 
 def _decode_forward(model: PreTrainedModel, inputs: dict) -> torch.Tensor:
