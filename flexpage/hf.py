@@ -90,7 +90,8 @@ def wrap(
     returns. Where some layers attend a sliding window and the others every position (Gemma 2),
     the pool takes the bytes of ``max_cached_tokens`` tokens in every layer and holds more tokens
     (``PagedKVCache``'s window rows, ``pages_for_tokens``). ``max_seq_len`` caps one sequence
-    (default: the whole pool). Returns the same model object. Raises ``UnsupportedModelError`` for models flexpage cannot serve exactly.
+    (default: the whole pool). Returns the same model object. Raises ``UnsupportedModelError`` for
+    models flexpage cannot serve exactly.
     ``page_size`` (tokens per page) defaults to 64 when every layer runs on the CPU (where
     attention over many sequences runs faster over fewer, larger KV blocks) and the pool holds a
     page of 64, else 16.

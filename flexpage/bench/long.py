@@ -74,12 +74,12 @@ def fill_paged(model: PreTrainedModel, context: int, seed: int) -> flexpage.Page
     row = cache.add_sequence()
     cache.reserve([row], [context])
     pt = cache.page_table
-    slots = [pt.slots_of(pt.seq_pages[held])[None, :context] for held in pt.rows_of(row)]
+    slots = {held: pt.slots_of(pt.seq_pages[held])[None, :context] for held in pt.rows_of(row)}
     generator = torch.Generator().manual_seed(seed)
     for start in range(0, context, FILL_CHUNK):
         end = min(context, start + FILL_CHUNK)
         for i, layer in enumerate(cache.layers):
-            layer.write(slots[i in cache.windowed][:, start:end], *random_kv(model, end - start, generator))
+            layer.write(slots[cache.layer_row(i, row)][:, start:end], *random_kv(model, end - start, generator))
     cache.batch_rows, cache.seen_tokens = [row], context
     return cache
 
@@ -89,7 +89,7 @@ def held_kv(cache: flexpage.PagedKVCache, row: int) -> list[torch.Tensor]:
     a windowed layer's in the row's window row where the cache keeps one."""
     pt, kv = cache.page_table, []
     for i, layer in enumerate(cache.layers):
-        held = pt.window_row(row) if i in cache.windowed else row
+        held = cache.layer_row(i, row)
         start = pt.first_held[held] * cache.page_size
         slots = pt.slots_of(pt.seq_pages[held][pt.first_held[held] :])[: pt.seq_lens[held] - start]
         kv += [pool[:, :, slots] for pool in (layer.keys, layer.values)]

@@ -390,7 +390,7 @@ class PagedKVCache(Cache):
         """A row's K/V as contiguous ``[kv_heads, length, head_dim]`` tensors of the model's dtype
         (dequantised from quantised pages), for tests and export."""
         length = self.seq_length(row)
-        held = self.page_table.window_row(row) if layer_idx in self.windowed else row
+        held = self.layer_row(layer_idx, row)
         if self.page_table.first_held[held]:
             raise ValueError(f"row {row} gave back the pages before its sliding window: its K/V are not all held")
         layer = self.layers[layer_idx]
@@ -398,6 +398,11 @@ class PagedKVCache(Cache):
         if self.kv_dtype == self.dtype:
             return layer.keys[0, :, slots], layer.values[0, :, slots]
         return dequantise(layer.keys[0, :, slots], self.dtype), dequantise(layer.values[0, :, slots], self.dtype)
+
+    def layer_row(self, layer_idx: int, row: int) -> int:
+        """The page-table row holding layer ``layer_idx``'s K/V of ``row``: its window row for a windowed
+        layer where the cache keeps them apart, else ``row``."""
+        return self.page_table.window_row(row) if layer_idx in self.windowed else row
 
     @property
     def pool_layers(self) -> list[PagedLayer]:

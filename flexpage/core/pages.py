@@ -216,7 +216,7 @@ class PageTable:
 
     def rows_of(self, row: int) -> list[int]:
         """``row`` and its window row, where it has one."""
-        return [row] if self.sliding_window is None else [row, row + self.max_batch_size]
+        return [row] if self.sliding_window is None else [row, self.window_row(row)]
 
     def pages_of(self, row: int) -> list[int]:
         return list(self._pages(row))
