@@ -4,11 +4,13 @@
  * A decode step multiplies each weight by one row per sequence, so its time is the time to read
  * the weight. The library GEMMs, blocked for many rows, read a weight for one or two rows well
  * below the speed at which the CPU reads memory (MKL's float32 product at about a third of it on
- * some AVX-512 cores, oneDNN's and MKL's bfloat16 ones at about half). Here sixteen weight rows at a
- * time are streamed once, each slice multiplied into the input row (float32: fused multiply-adds,
- * 16 or 8 values a vector; bfloat16: the AVX512-BF16 pair dot product into float32 sums, as the
- * library GEMMs keep them, rounded once), output features split over OpenMP threads. float32 is
- * built for AVX2 and AVX-512 cores, bfloat16 for AVX512-BF16 ones (``flexpage_row_linear_formats``).
+ * some AVX-512 cores, oneDNN's and MKL's bfloat16 ones at about half). Here each weight row is read
+ * once from start to end, a contiguous stream the CPU's prefetchers follow (rows read side by side,
+ * a row's length apart, they follow less well), and multiplied into up to four input rows as it
+ * passes (float32: fused multiply-adds, 16 or 8 values a vector; bfloat16:
+ * the AVX512-BF16 pair dot product into float32 sums, as the library GEMMs keep them, rounded once);
+ * output features are split over OpenMP threads in blocks. float32 is built for AVX2 and AVX-512
+ * cores, bfloat16 for AVX512-BF16 ones (``flexpage_row_linear_formats``).
  */
 #include <stdint.h>
 #include <string.h>
@@ -16,9 +18,8 @@
 #include <immintrin.h>
 #endif
 
-#define WEIGHT_ROWS 16  /* output features per block: sixteen weight rows streamed together */
-#define INPUT_ROWS 1    /* input rows per pass over a block (a further row reads it again, from cache) */
-#define PREFETCH_ROWS 32  /* bfloat16 weight rows prefetched ahead of the ones read (two blocks) */
+#define WEIGHT_ROWS 16  /* output features per block (a thread's unit of work) */
+#define INPUT_ROWS 4    /* input rows multiplied per pass over a weight row (further ones read it again, from cache) */
 
 #define FLOAT32 1   /* the formats, and their bits in ``flexpage_row_linear_formats`` */
 #define BFLOAT16 2
@@ -56,29 +57,26 @@ static inline float total(vector v) {
 int flexpage_row_linear_formats(void) { return F32_BUILT | BF16_BUILT; }
 
 #if F32_BUILT
-/* ``n_out`` (<= WEIGHT_ROWS) features of ``n_in`` (<= INPUT_ROWS) float32 rows starting at ``x``;
- * a tail of inputs past the last whole vector summed one by one. */
+/* ``n_out`` features of ``n_in`` (<= INPUT_ROWS) float32 rows starting at ``x``, one weight row
+ * at a time; a tail of inputs past the last whole vector summed one by one. */
 static inline __attribute__((always_inline)) void f32_block(const float *x, const float *w, const float *bias,
                                                             int64_t in, int64_t out, int64_t n_in, int64_t n_out,
                                                             float *y) {
-    vector acc[WEIGHT_ROWS][INPUT_ROWS];
-    for (int i = 0; i < WEIGHT_ROWS; i++)
-        for (int r = 0; r < INPUT_ROWS; r++) acc[i][r] = zeros();
     const int64_t whole = in / LANES * LANES;
-    for (int64_t k = 0; k < whole; k += LANES) {
-        vector xs[INPUT_ROWS];
-        for (int r = 0; r < INPUT_ROWS; r++) xs[r] = r < n_in ? load(x + r * in + k) : zeros();
-        for (int i = 0; i < WEIGHT_ROWS && i < n_out; i++) {
-            const vector ws = load(w + i * in + k);
-            for (int r = 0; r < INPUT_ROWS && r < n_in; r++) acc[i][r] = multiply_add(ws, xs[r], acc[i][r]);
+    for (int64_t i = 0; i < n_out; i++) {
+        const float *row = w + i * in;
+        vector acc[INPUT_ROWS];
+        for (int r = 0; r < INPUT_ROWS; r++) acc[r] = zeros();
+        for (int64_t k = 0; k < whole; k += LANES) {
+            const vector ws = load(row + k);
+            for (int r = 0; r < INPUT_ROWS && r < n_in; r++) acc[r] = multiply_add(ws, load(x + r * in + k), acc[r]);
         }
-    }
-    for (int i = 0; i < n_out; i++)
         for (int r = 0; r < n_in; r++) {
-            float sum = total(acc[i][r]);
-            for (int64_t k = whole; k < in; k++) sum += w[i * in + k] * x[r * in + k];
+            float sum = total(acc[r]);
+            for (int64_t k = whole; k < in; k++) sum += row[k] * x[r * in + k];
             y[r * out + i] = sum + (bias ? bias[i] : 0.0f);
         }
+    }
 }
 #endif
 
@@ -102,24 +100,18 @@ static inline uint16_t bf16_round(float value) {  /* to nearest, ties to even (N
 static inline __attribute__((always_inline)) void bf16_block(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
                                                              int64_t in, int64_t out, int64_t n_in, int64_t n_out,
                                                              uint16_t *y) {
-    __m512 acc[WEIGHT_ROWS][INPUT_ROWS];
-    for (int i = 0; i < WEIGHT_ROWS; i++)
-        for (int r = 0; r < INPUT_ROWS; r++) acc[i][r] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < in; k += 32) {
-        const __mmask32 mask = in - k >= 32 ? 0xffffffffu : (__mmask32)((1u << (in - k)) - 1u);
-        __m512i xs[INPUT_ROWS];
-        for (int r = 0; r < INPUT_ROWS; r++)
-            xs[r] = r < n_in ? _mm512_maskz_loadu_epi16(mask, x + r * in + k) : _mm512_setzero_si512();
-        for (int i = 0; i < WEIGHT_ROWS && i < n_out; i++) {
-            const __m512i ws = _mm512_maskz_loadu_epi16(mask, w + i * in + k);
-            _mm_prefetch((const char *)(w + (i + PREFETCH_ROWS) * in + k), _MM_HINT_T0);
+    for (int64_t i = 0; i < n_out; i++) {
+        const uint16_t *row = w + i * in;
+        __m512 acc[INPUT_ROWS];
+        for (int r = 0; r < INPUT_ROWS; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < in; k += 32) {
+            const __mmask32 mask = in - k >= 32 ? 0xffffffffu : (__mmask32)((1u << (in - k)) - 1u);
+            const __m512i ws = _mm512_maskz_loadu_epi16(mask, row + k);
             for (int r = 0; r < INPUT_ROWS && r < n_in; r++)
-                acc[i][r] = _mm512_dpbf16_ps(acc[i][r], (__m512bh)ws, (__m512bh)xs[r]);
+                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)ws, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + r * in + k));
         }
-    }
-    for (int i = 0; i < n_out; i++) {
         const float b = bias ? bf16_value(bias[i]) : 0.0f;
-        for (int r = 0; r < n_in; r++) y[r * out + i] = bf16_round(_mm512_reduce_add_ps(acc[i][r]) + b);
+        for (int r = 0; r < n_in; r++) y[r * out + i] = bf16_round(_mm512_reduce_add_ps(acc[r]) + b);
     }
 }
 #endif
@@ -154,11 +146,12 @@ static inline __attribute__((always_inline)) int row_linear(int format, const vo
         const int64_t first = b * WEIGHT_ROWS;
         const int64_t n_out = out - first < WEIGHT_ROWS ? out - first : WEIGHT_ROWS;
         for (int64_t r = 0; r < rows; r += INPUT_ROWS) {
-            const int64_t n_in = rows - r < INPUT_ROWS ? rows - r : INPUT_ROWS;
-            if (n_out == WEIGHT_ROWS && n_in == INPUT_ROWS)  /* constants: the accumulators stay in registers */
-                block(format, x, weight, bias, in, out, r, first, INPUT_ROWS, WEIGHT_ROWS, y);
-            else
-                block(format, x, weight, bias, in, out, r, first, n_in, n_out, y);
+            switch (rows - r < INPUT_ROWS ? rows - r : INPUT_ROWS) {  /* constants: the accumulators stay in registers */
+            case 1: block(format, x, weight, bias, in, out, r, first, 1, n_out, y); break;
+            case 2: block(format, x, weight, bias, in, out, r, first, 2, n_out, y); break;
+            case 3: block(format, x, weight, bias, in, out, r, first, 3, n_out, y); break;
+            default: block(format, x, weight, bias, in, out, r, first, INPUT_ROWS, n_out, y);
+            }
         }
     }
     return 0;
