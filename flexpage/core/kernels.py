@@ -146,15 +146,16 @@ def row_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``F.linear(x, weight, bias)`` for float32 or bfloat16 CPU tensors of one dtype (``weight``
     contiguous), by ``row_linear.c``; only where ``row_linear_available(x.dtype)``. Sums in float32
     (bfloat16: rounded once)."""
-    entry = ROW_LINEARS[x.dtype][0]
-    flat = x.reshape(-1, x.shape[-1]).contiguous()
-    out = torch.empty(flat.shape[0], weight.shape[0], dtype=x.dtype)
-    status = getattr(library("row_linear"), entry)(
-        flat.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), flat.shape[0], weight.shape[1],
-        weight.shape[0], out.data_ptr())
+    entry = getattr(library("row_linear"), ROW_LINEARS[x.dtype][0])
+    shape = x.shape  # (the fewest tensor ops: a decode step calls this for every linear layer)
+    flat = x.view(-1, shape[-1]) if x.is_contiguous() else x.reshape(-1, shape[-1]).contiguous()
+    rows, (features, width) = flat.shape[0], weight.shape
+    out = flat.new_empty((rows, features))
+    status = entry(flat.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), rows, width, features,
+                   out.data_ptr())
     if status:
-        raise RuntimeError(f"{entry} failed with status {status}")
-    return out.view(*x.shape[:-1], weight.shape[0])
+        raise RuntimeError(f"{ROW_LINEARS[x.dtype][0]} failed with status {status}")
+    return out if len(shape) == 2 else out.view(*shape[:-1], features)
 
 
 def _fp8_table(device: torch.device) -> Tensor:
