@@ -485,6 +485,19 @@ def test_compiled_decode_steps_match_stock_and_compile_nothing_after_warmup(arch
     assert {n: [t.data_ptr() for t in static.tensors()] for n, static in steps.static.items()} == addresses
 
 
+def test_an_engine_of_one_row_compiles_its_decode_steps():
+    """``max_batch_size=1`` has no multi-row step to learn the layers' attention variants from:
+    warm-up learns them from a scratch row padded to two, so its decode steps run compiled (they
+    ran eager before), with stock's tokens, and the pool is left empty."""
+    stock = zoo.build("llama-tiny")
+    engine = make_engine(compile_decode=True, max_batch_size=1)
+    assert engine.runner.graphs.ready(1) and engine.cache.stats().pages_used == 0
+    prompts = workload()[:2]
+    outputs = engine.generate(prompts, max_new_tokens=list(NEW_TOKENS[:2]))
+    assert outputs == [stock_greedy(stock, p, n) for p, n in zip(prompts, NEW_TOKENS[:2])]
+    assert engine.stats().compiled_steps >= sum(NEW_TOKENS[:2]) - 2 * 2  # every decode step but each prompt's
+
+
 @pytest.mark.slow  # subprocesses
 def test_compiled_decode_graphs_read_the_weights_at_each_call_and_load_in_a_later_process(tmp_path):
     """The compiled decode forward is one graph per bucket compiled ahead of time and saved

@@ -329,7 +329,12 @@ class ModelRunner:
         """
         start = time.perf_counter()
         page_size = self.cache.page_size
-        for decode_len, chunk_len in tqdm(self.step_shapes(), desc="warm-up", unit="shape", disable=not progress):
+        shapes = self.step_shapes()
+        if self.graphs.buckets and not any(decode_len > 1 for decode_len, _ in shapes):
+            # one row at most (a lone row is attended by SDPA): a scratch row padded to two names the
+            # layers' attention variants, which the compiled decode steps need (``StaticSteps.learn``)
+            shapes.append((self.shape.decode_len(2), 0))
+        for decode_len, chunk_len in tqdm(shapes, desc="warm-up", unit="shape", disable=not progress):
             free = blocks.num_unused_pages - decode_len - 1  # cached prefix pages stay
             tokens = min(chunk_len, self.shape.chunk_block + min(free, blocks.max_seq_len // page_size) * page_size)
             if free < 0 or chunk_len and tokens <= self.shape.chunk_block:
