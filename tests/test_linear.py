@@ -2,6 +2,9 @@
 fastest, used only inside paged forwards."""
 
 import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -299,6 +302,37 @@ def test_the_float32_kernel_is_the_exact_product_within_float32_sums(shape, out_
     assert ((out.double() - exact).abs() <= magnitude * (shape[-1] + 1) * 2**-24).all()  # float32 sums' bound
     columns = torch.randn(shape[-1], 7, generator=g).t()  # rows not contiguous
     assert torch.equal(linear.row_linear(columns, weight, b), linear.row_linear(columns.contiguous(), weight, b))
+
+
+@pytest.mark.slow  # a subprocess
+def test_the_ops_kernel_is_native_where_a_cxx_compiler_builds_it_else_python():
+    """``flexpage::row_linear``, the op a compiled step calls: its C++ kernel where a C++ compiler
+    builds it (no Python per call), bit-identical to the ``ctypes`` call for every dtype built;
+    in a process whose C++ compiler fails, the same products through Python, and a warning."""
+    assert "rows" in linear.candidates(False, torch.float32)  # the kernel is available, so the op has its kernel
+    if kernels.cxx_compiler() is not None:
+        assert linear.row_linear_kernel() is torch.ops.flexpage.row_linear.default
+    g = torch.Generator().manual_seed(0)
+    for dtype in (d for d in kernels.ROW_LINEARS if kernels.row_linear_available(d)):
+        for shape, out_features, bias in SHAPES:
+            x = torch.randn(*shape, generator=g).to(dtype)
+            weight = torch.randn(out_features, shape[-1], generator=g).to(dtype)
+            b = torch.randn(out_features, generator=g).to(dtype) if bias else None
+            assert torch.equal(torch.ops.flexpage.row_linear(x, weight, b), kernels.row_linear(x, weight, b))
+            assert torch.equal(linear.row_linear(x, weight, b), kernels.row_linear(x, weight, b))
+    script = (
+        "import torch\n"
+        "from flexpage.core import kernels, linear\n"
+        "assert 'rows' in linear.candidates(False, torch.float32)\n"
+        "assert linear.row_linear_kernel() is kernels.row_linear\n"
+        "x, w, b = torch.randn(3, 5, 64), torch.randn(24, 64), torch.randn(24)\n"
+        "assert torch.equal(torch.ops.flexpage.row_linear(x, w, b), kernels.row_linear(x, w, b))\n"
+        "print('python kernel')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], env=os.environ | {"CXX": "/bin/false"}, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "python kernel" and "could not be built" in done.stderr
 
 
 def test_the_few_row_kernel_is_timed_for_the_dtypes_it_is_built_for_and_few_rows(monkeypatch):

@@ -30,6 +30,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -89,19 +90,31 @@ def _cpu_flags() -> str:
 
 def _build(name: str, cc: str) -> Path:
     """Library ``name``'s shared object, compiled unless this source, compiler and CPU built it before."""
-    source_path = Path(__file__).with_name(f"{name}.c")
-    source = source_path.read_bytes()
-    digest = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode()]))
+    source = Path(__file__).with_name(f"{name}.c")
+
+    def build(scratch: Path, built: Path) -> None:
+        _run([cc, *FLAGS, "-o", str(built), str(source), "-lm"])
+
+    return _built(name, [source.read_bytes(), cc.encode(), " ".join(FLAGS).encode()], build)
+
+
+def _built(name: str, inputs: list[bytes], build: Callable[[Path, Path], None]) -> Path:
+    """The cached shared object ``name`` of ``inputs`` (sources, compilers, flags) for this CPU:
+    ``build(scratch folder, path)`` makes it the first time, aside, then it is moved in whole."""
+    digest = hashlib.sha256(b"\0".join([*inputs, _cpu_flags().encode()]))
     path = artifact_dir() / "kernels" / f"{name}-{digest.hexdigest()[:16]}.so"
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as scratch:  # built aside, then moved in whole
+    with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
         built = Path(scratch) / path.name
-        subprocess.run([cc, *FLAGS, "-o", str(built), str(source_path), "-lm"], check=True, capture_output=True,
-                       text=True, timeout=120)
+        build(Path(scratch), built)
         os.replace(built, path)
     return path
+
+
+def _run(command: list[str]) -> None:
+    subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
 
 
 def library(name: str = "decode_attention") -> ctypes.CDLL | None:
@@ -156,6 +169,48 @@ def row_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     if status:
         raise RuntimeError(f"{ROW_LINEARS[x.dtype][0]} failed with status {status}")
     return out if len(shape) == 2 else out.view(*shape[:-1], features)
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler the native op is built with (``$CXX``, else ``c++`` or ``g++`` on the path)."""
+    return os.environ.get("CXX") or _path_cxx()
+
+
+@functools.cache
+def _path_cxx() -> str | None:
+    return shutil.which("c++") or shutil.which("g++")
+
+
+@functools.cache
+def load_row_linear_op() -> bool:
+    """Load ``row_linear_op.cpp`` (with its own build of ``row_linear.c``) into torch's dispatcher,
+    where it registers the C++ CPU kernel of ``flexpage::row_linear`` (an op ``linear`` defines):
+    built once per source, compilers, torch and CPU, like the C libraries. False where it cannot be
+    built or loaded (logged; the op then keeps a Python kernel). Once per process: an op's kernel is
+    registered for good."""
+    cc, cxx = compiler(), cxx_compiler()
+    torch_dir = Path(torch.__file__).parent
+    cxx_flags = ["-O2", "-std=c++20", "-shared", "-fPIC", f"-I{torch_dir / 'include'}", f"-L{torch_dir / 'lib'}",
+                 f"-Wl,-rpath,{torch_dir / 'lib'}", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    c_source, cxx_source = (Path(__file__).with_name(name) for name in ("row_linear.c", "row_linear_op.cpp"))
+
+    def build(scratch: Path, built: Path) -> None:
+        objects = scratch / "row_linear.o"
+        _run([cc, *FLAGS, "-c", "-o", str(objects), str(c_source)])
+        _run([cxx, *cxx_flags, "-o", str(built), str(cxx_source), str(objects), "-fopenmp", "-ltorch_cpu", "-lc10"])
+
+    try:
+        if cc is None or cxx is None:
+            raise FileNotFoundError("no C and C++ compilers on the path (set $CC and $CXX)")
+        inputs = [c_source.read_bytes(), cxx_source.read_bytes(), cc.encode(), cxx.encode(), " ".join(FLAGS).encode(),
+                  " ".join(cxx_flags).encode(), torch.__version__.encode()]
+        torch.ops.load_library(str(_built("row_linear_op", inputs, build)))
+    except (OSError, subprocess.SubprocessError, RuntimeError) as error:
+        detail = getattr(error, "stderr", None) or error
+        log.warning("flexpage: the C++ op of the few-row kernel could not be built (%s); its calls go through "
+                    "Python", str(detail)[-2000:])
+        return False
+    return True
 
 
 def _fp8_table(device: torch.device) -> Tensor:

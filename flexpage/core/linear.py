@@ -78,21 +78,33 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-@torch.library.custom_op("flexpage::row_linear", mutates_args=())
-def row_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``kernels.row_linear`` as one opaque op of a compiled forward."""
-    return kernels.row_linear(x, weight, bias)
+_OPS = torch.library.Library("flexpage", "FRAGMENT")  # ``flexpage::row_linear``: the few-row kernel as one op
+_OPS.define("row_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 
 
-@row_linear_op.register_fake
+@torch.library.register_fake("flexpage::row_linear")
 def _row_linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+@functools.cache
+def row_linear_kernel() -> Kernel:
+    """Give ``flexpage::row_linear`` its CPU kernel, once: the C++ one where it builds
+    (``kernels.load_row_linear_op``: a call costs about what ``F.linear``'s dispatch does), else
+    ``kernels.row_linear`` through Python. Returns what an eager product calls: that op, or
+    ``kernels.row_linear`` directly (cheaper than the op through Python)."""
+    if kernels.load_row_linear_op():
+        return torch.ops.flexpage.row_linear.default
+    _OPS.impl("row_linear", kernels.row_linear, "CPU")
+    return kernels.row_linear
+
+
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` by flexpage's few-row kernel: the weight streamed once for all rows; through
-    the custom op while tracing, directly otherwise (no dispatch cost)."""
-    return (row_linear_op if torch.compiler.is_compiling() else kernels.row_linear)(x, weight, bias)
+    """``F.linear`` by flexpage's few-row kernel: the weight streamed once for all rows; one opaque
+    op in a traced forward (its kernel given when the few-row kernel was found available)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.flexpage.row_linear.default(x, weight, bias)
+    return row_linear_kernel()(x, weight, bias)
 
 
 KERNELS: dict[str, Kernel] = {"plain": plain_linear, "transposed": transposed_linear}
@@ -148,7 +160,10 @@ def candidates(packed: bool, dtype: torch.dtype = torch.float32, bucket: int = 1
 @torch.compiler.assume_constant_result
 def _row_kernels() -> int:
     """The dtypes ``kernels.row_linear`` runs for here, as their bits in ``kernels.ROW_LINEARS``."""
-    return sum(bit for dtype, (_, bit) in kernels.ROW_LINEARS.items() if kernels.row_linear_available(dtype))
+    bits = sum(bit for dtype, (_, bit) in kernels.ROW_LINEARS.items() if kernels.row_linear_available(dtype))
+    if bits:  # before any forward is traced or a saved graph loaded: the op's kernel, for the graphs to call
+        row_linear_kernel()
+    return bits
 
 
 def row_key(rows: int, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool = False) -> Key:
