@@ -155,11 +155,11 @@ def row_linear_available(dtype: torch.dtype) -> bool:
     return dtype in ROW_LINEARS and lib is not None and bool(lib.flexpage_row_linear_formats() & ROW_LINEARS[dtype][1])
 
 
-def row_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def row_linear(x: Tensor, weight: Tensor, bias: Tensor | None, lib: ctypes.CDLL | None = None) -> Tensor:
     """``F.linear(x, weight, bias)`` for float32 or bfloat16 CPU tensors of one dtype (``weight``
     contiguous), by ``row_linear.c``; only where ``row_linear_available(x.dtype)``. Sums in float32
-    (bfloat16: rounded once)."""
-    entry = getattr(library("row_linear"), ROW_LINEARS[x.dtype][0])
+    (bfloat16: rounded once). ``lib``: another build of it (a benchmark's), not this one's."""
+    entry = getattr(lib or library("row_linear"), ROW_LINEARS[x.dtype][0])
     shape = x.shape  # (the fewest tensor ops: a decode step calls this for every linear layer)
     flat = x.view(-1, shape[-1]) if x.is_contiguous() else x.reshape(-1, shape[-1]).contiguous()
     rows, (features, width) = flat.shape[0], weight.shape
