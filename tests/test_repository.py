@@ -55,6 +55,8 @@ def test_wheel_has_one_top_level_package(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"flexpage"}
     assert "flexpage/configs/llama-small.json" in names  # the zoo works from an installed wheel
+    kernel_sources = {p.relative_to(ROOT).as_posix() for p in (ROOT / "flexpage/core").glob("*.c*")}
+    assert kernel_sources and kernel_sources <= set(names)  # the kernels build from an installed wheel
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "flexpage = flexpage.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
