@@ -82,12 +82,17 @@ def read_ms(tensors: list[torch.Tensor], repeats: int = 5) -> float:
 
 
 def generate_ms(model: PreTrainedModel, context: int, new_tokens: int) -> float:
-    """The median gap between ``generate()``'s tokens (greedy, batch 1, a prompt of ``context`` tokens)."""
+    """The median gap between ``generate()``'s tokens (greedy, batch 1, a prompt of ``context`` tokens).
+    Every call makes ``new_tokens`` tokens with no end-of-sequence token, as the Engine's requests do
+    here, rather than through ``min_new_tokens``, whose two logits processors search the whole
+    vocabulary at each token (``torch.isin``), a cost of forcing the length, not of decoding."""
     ids = torch.randint(3, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(context))
     clock = TokenClock()
     with torch.inference_mode():
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                       do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([clock]))
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, eos_token_id=None,
+                             do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([clock]))
+    if out.shape[1] != context + new_tokens:
+        raise RuntimeError(f"generate() made {out.shape[1] - context} tokens, not {new_tokens}")
     return statistics.median(b - a for a, b in zip(clock.times, clock.times[1:])) * 1e3
 
 
