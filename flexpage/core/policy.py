@@ -55,7 +55,7 @@ CPU_POLICY = DevicePolicy(sdpa_lone_sequence=True, split_chunk_attention=True, g
                           pool_wide_metadata=True, uniform_decode_rows=True, tile_options=False,
                           zero_copy_host_ints=True, host_sampling=True,
                           decode_kernel_dtypes=frozenset({torch.int8, torch.float8_e4m3fn, torch.float32, torch.bfloat16}),
-                          lone_decode_kernel_keys=4096,
+                          lone_decode_kernel_keys=1024,
                           page_size=64, compile_decode=True)
 ACCELERATOR_POLICY = DevicePolicy(sdpa_lone_sequence=False, split_chunk_attention=False, grouped_decode_rows=False,
                                   pool_wide_metadata=False, uniform_decode_rows=False, tile_options=True,
