@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import tempfile
+import threading
 import time
 import types
 from pathlib import Path
@@ -87,16 +88,25 @@ def _row_linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+_op_lock = threading.Lock()
+
+
 @functools.cache
 def row_linear_kernel() -> Kernel:
     """Give ``flexpage::row_linear`` its CPU kernel, once: the C++ one where it builds
     (``kernels.load_row_linear_op``: a call costs about what ``F.linear``'s dispatch does), else
     ``kernels.row_linear`` through Python. Returns what an eager product calls: that op, or
     ``kernels.row_linear`` directly (cheaper than the op through Python)."""
-    if kernels.load_row_linear_op():
-        return torch.ops.flexpage.row_linear.default
+    with _op_lock:  # callers in several threads register it once (a second registration raises)
+        if kernels.load_row_linear_op():
+            return torch.ops.flexpage.row_linear.default
+        _python_row_linear()
+        return kernels.row_linear
+
+
+@functools.cache
+def _python_row_linear() -> None:
     _OPS.impl("row_linear", kernels.row_linear, "CPU")
-    return kernels.row_linear
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
