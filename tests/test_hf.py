@@ -360,6 +360,19 @@ def test_compiled_decode_matches_stock_without_recompiles():
     assert "forward" not in vars(model)  # the class's forward shows through again
 
 
+def test_a_compiled_wrap_of_a_windowed_model_learns_its_window_when_wrapped():
+    """``wrap(compile_decode=True)`` learns the window of a model whose every layer attends one with
+    the layers' attention variants, before any forward: a cache whose steps are all compiled (K/V
+    written directly, as ``bench long`` fills a long context) gives back the pages behind the
+    window too. Only the eager steps taught it before."""
+    model = zoo.build("mistral-tiny")
+    window = model.config.sliding_window
+    cache = flexpage.paged_state(flexpage.wrap(model, compile_decode=True)).cache
+    assert window and cache.page_table.window == window
+    eager = flexpage.paged_state(flexpage.wrap(zoo.build("mistral-tiny"))).cache
+    assert eager.page_table.window is None  # eager steps: learned from the first one
+
+
 def repetitive_prompt() -> torch.Tensor:
     """A prompt that repeats itself, so prompt lookup finds drafts."""
     base = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))

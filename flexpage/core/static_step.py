@@ -129,7 +129,8 @@ class StaticSteps:
             self.variants = mask.decode_variants()
 
     def learn_alone(self) -> None:
-        """Learn the variants (``learn``) from one eager decode step of a scratch row, padded to two
+        """Learn the variants (``learn``) and the window of a model whose every layer is windowed
+        (``PagedKVCache.learn_window``) from one eager decode step of a scratch row, padded to two
         rows so that FlexAttention, not SDPA, attends it; the pool is left as it was. For a cache no
         engine steps (``wrap``): call it between generate calls, not inside one."""
         if not self.buckets or self.variants:
@@ -143,6 +144,7 @@ class StaticSteps:
                            position_ids=plan.position_ids, attention_mask=mask, use_cache=True, logits_to_keep=1,
                            **{self.cache_argument: self.cache})
             self.learn(mask)
+            self.cache.learn_window(mask)  # every layer windowed: rows give back pages even if no step runs eager
         finally:
             self.cache.free_sequence(row)
             self.cache.step = None
