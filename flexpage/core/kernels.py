@@ -14,7 +14,9 @@ None and the caller takes SDPA or FlexAttention (over dequantised keys for quant
 ``row_linear.c`` multiplies a few float32 or bfloat16 rows by a weight, reading the weight once
 (``row_linear``; ``linear.fast_linear`` times it against the library GEMMs): float32 with fused
 multiply-adds (AVX2 or AVX-512), bfloat16 with AVX512-BF16 dot products. It is built the same way,
-and offered for the dtypes its build covers on this CPU (``row_linear_available``).
+and offered for the dtypes its build covers on this CPU (``row_linear_available``). ``row_linear_op.cpp``
+is the C++ kernel of its op ``flexpage::row_linear`` (``load_row_linear_op``, built with the system
+C++ compiler against torch's headers): compiled steps call it without entering Python.
 """
 
 from __future__ import annotations
