@@ -470,15 +470,19 @@ def test_a_request_with_no_distribution_to_sample_fails_alone(expected, monkeypa
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])  # Gemma 2: sliding windows and soft-capped scores
 def test_compiled_decode_steps_match_stock_and_compile_nothing_after_warmup(arch):
     """Decode-only steps of 2+ sequences through the whole forward compiled, one graph per decode
-    bucket built by warm-up (padding rows fed too): stock's tokens, no graph built while serving."""
+    bucket built by warm-up (padding rows fed too), attention by ``flexpage::paged_decode`` (Gemma
+    2's windowed and soft-capped layers too): stock's tokens, no graph built while serving."""
     stock = zoo.build(f"{arch}-tiny")
     engine = make_engine(arch, compile_decode=True)
     graphs = compiled_graphs()
     steps = engine.runner.graphs
     addresses = {n: [t.data_ptr() for t in static.tensors()] for n, static in steps.static.items()}
     assert set(addresses) == steps.buckets  # every bucket's step inputs built by warm-up
-    outputs = engine.generate(workload(), max_new_tokens=list(NEW_TOKENS))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        outputs = engine.generate(workload(), max_new_tokens=list(NEW_TOKENS))
     assert outputs == [stock_greedy(stock, p, n) for p, n in zip(workload(), NEW_TOKENS)]
+    ops = {event.name for event in profile.events()}  # attention by the C kernel through C++, no Python op
+    assert "flexpage::paged_decode" in ops and "flexpage::static_decode_attention" not in ops
     assert compiled_graphs() == graphs
     assert engine.stats().compiled_steps > 0
     # the compiled steps read their inputs where warm-up put them: written in place, never reallocated

@@ -110,3 +110,50 @@ def test_loading_the_kernels_leaves_the_process_floating_point_modes_alone():
     assert kernels.library("row_linear") is not None
     tiny = torch.tensor([1e-39]) * torch.tensor([1.0])  # a subnormal float32, computed after the load
     assert tiny.item() != 0.0 and tiny.item() == pytest.approx(1e-39, rel=1e-3)
+
+
+@pytest.mark.parametrize("dtype", POOLS)
+def test_paged_decode_attends_each_tokens_keys_through_the_page_table_as_sdpa(dtype):
+    """``flexpage::paged_decode`` (a static decode step's attention, C++): each token attends its
+    row's keys up to its position (within a window), found through the page table in scattered
+    pages, as SDPA over those keys' values; a speculating row's several tokens each see their own
+    prefix; padding tokens (position -1) get zeros."""
+    assert kernels.native_ops()  # CI machines have C and C++ compilers
+    torch.manual_seed(0)
+    page, heads, kv_heads, dim = 16, 8, 2, 64
+    key_pool = stored(torch.randn(1, kv_heads, 40 * page, dim) * 3, dtype)
+    value_pool = stored(torch.randn(1, kv_heads, 40 * page, dim), dtype)
+    table = torch.full((3, 10), -1, dtype=torch.int32)
+    table[0, :9] = torch.tensor([7, 8, 9, 30, 2, 3, 4, 20, 21])  # runs across page boundaries and gaps
+    table[2, :2] = torch.tensor([11, 5])
+    tok_rows = torch.tensor([0, 0, 2, 0, 1])
+    tok_pos = torch.tensor([140, 138, 20, 3, -1])
+    for query_dtype, window, cap in ((torch.float32, 0, 0.0), (torch.bfloat16, 0, 0.0), (torch.float32, 40, 2.0)):
+        query = torch.randn(1, heads, len(tok_pos), dim, dtype=query_dtype)
+        got = torch.ops.flexpage.paged_decode(query, key_pool, value_pool, table, tok_rows, tok_pos, page, window,
+                                              0.3, cap)
+        assert got.dtype == query_dtype and got.shape == query.shape
+        assert torch.equal(got[:, :, 4], torch.zeros_like(got[:, :, 4]))
+        for t, (row, pos) in enumerate(zip(tok_rows.tolist(), tok_pos.tolist())):
+            if pos < 0:
+                continue
+            positions = torch.arange(max(0, pos - window + 1) if window else 0, pos + 1)
+            slots = table[row, positions // page].long() * page + positions % page
+            keys, values = (values_of(pool[:, :, slots]).double().repeat_interleave(heads // kv_heads, 1)
+                            for pool in (key_pool, value_pool))
+            scores = query[:, :, t : t + 1].double() @ keys.transpose(-1, -2) * 0.3
+            want = ((cap * torch.tanh(scores / cap) if cap else scores).softmax(-1) @ values).float()
+            values = values_of(value_pool[:, :, slots])
+            torch.testing.assert_close(got[:, :, t : t + 1].float(), want, **(
+                {} if query_dtype == torch.float32 else {"atol": 2 ** -9 * values.abs().max().item(), "rtol": 2 ** -8}))
+
+
+def test_paged_decode_refuses_tokens_outside_the_page_table():
+    """A token whose row holds no page at a position it reads raises, naming the token, rather
+    than reading another sequence's keys."""
+    assert kernels.native_ops()
+    pool = torch.randn(1, 2, 64, 32)
+    table = torch.tensor([[1, -1]], dtype=torch.int32)
+    query = torch.randn(1, 4, 1, 32)
+    with pytest.raises(RuntimeError, match="token 0 reads a page its row does not hold"):
+        torch.ops.flexpage.paged_decode(query, pool, pool, table, torch.tensor([0]), torch.tensor([20]), 16, 0, 1.0, 0.0)

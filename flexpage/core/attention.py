@@ -13,7 +13,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from .compile import compile_static
 from .masks import PackedBlockMask, ScoreMod, SequenceKV, StaticDecodeMask, static_mask_at
 from .host import cdiv
-from .kernels import decode_attention
+from .kernels import decode_attention, native_ops
 from .policy import device_policy
 from .quant import dequantise_into, dequantised_pool, is_quantised, scratch_pool, value_dim
 
@@ -260,7 +260,12 @@ def packed_attention(
     scratch pool at the slots of the step's pages (``PackedBlockMask.read_slots``).
     Returns ``[1, Hq, T, Dv]``.
     """
-    if isinstance(block_mask, StaticDecodeMask) and torch.compiler.is_compiling():  # one opaque call, run eagerly
+    if isinstance(block_mask, StaticDecodeMask) and torch.compiler.is_compiling():  # one opaque call
+        if native_decode(query, key_pool):  # the C kernel through C++, its keys found through the page table
+            table, plan = block_mask.page_table, block_mask.for_window(window).plan
+            return torch.ops.flexpage.paged_decode(query, key_pool, value_pool, table.table, plan.tok_rows,
+                                                   plan.tok_pos, table.page_size, window or 0,
+                                                   query.shape[-1] ** -0.5 if scale is None else scale, cap or 0.0)
         return static_decode_attention(query, key_pool, value_pool, block_mask.plan.tok_pos, window, cap, scale)
     block_mask = block_mask.for_window(window)  # a windowed layer whose pages its rows' window rows hold
     plan = block_mask.plan
@@ -327,6 +332,21 @@ def _flex_pools(query: Tensor, key_pool: Tensor, value_pool: Tensor, block_mask:
     slots = block_mask.read_slots()
     return (dequantised_pool(key_pool, slots, query.dtype, "keys"),
             dequantised_pool(value_pool, slots, query.dtype, "values"))
+
+
+def native_decode(query: Tensor, key_pool: Tensor) -> bool:
+    """Whether a static decode step's attention over these pools is ``flexpage::paged_decode`` (the C
+    kernel called from C++): on a device whose policy gives the pools' dtype to the kernel, for
+    float32 or bfloat16 queries of at most 16 heads per KV head and 256 values a head, where
+    the C++ ops were built (``kernels.native_ops``)."""
+    return (key_pool.dtype in device_policy(query.device).decode_kernel_dtypes
+            and query.dtype in (torch.float32, torch.bfloat16) and query.shape[1] % key_pool.shape[1] == 0
+            and query.shape[1] // key_pool.shape[1] <= 16 and query.shape[-1] <= 256 and _native_ops())
+
+
+@torch.compiler.assume_constant_result
+def _native_ops() -> bool:
+    return native_ops()
 
 
 @torch.library.custom_op("flexpage::static_decode_attention", mutates_args=())

@@ -14,9 +14,10 @@ None and the caller takes SDPA or FlexAttention (over dequantised keys for quant
 ``row_linear.c`` multiplies a few float32 or bfloat16 rows by a weight, reading the weight once
 (``row_linear``; ``linear.fast_linear`` times it against the library GEMMs): float32 with fused
 multiply-adds (AVX2 or AVX-512), bfloat16 with AVX512-BF16 dot products. It is built the same way,
-and offered for the dtypes its build covers on this CPU (``row_linear_available``). ``row_linear_op.cpp``
-is the C++ kernel of its op ``flexpage::row_linear`` (``load_row_linear_op``, built with the system
-C++ compiler against torch's headers): compiled steps call it without entering Python.
+and offered for the dtypes its build covers on this CPU (``row_linear_available``). ``ops.cpp`` holds
+the C++ kernels of two ops over them (``native_ops``, built with the system C++ compiler against
+torch's headers): ``flexpage::row_linear`` and ``flexpage::paged_decode`` (a static decode step's
+attention, its keys found through the page table), which compiled steps call without entering Python.
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ def row_linear(x: Tensor, weight: Tensor, bias: Tensor | None, lib: ctypes.CDLL 
 
 
 def cxx_compiler() -> str | None:
-    """The C++ compiler the native op is built with (``$CXX``, else ``c++`` or ``g++`` on the path)."""
+    """The C++ compiler the native ops are built with (``$CXX``, else ``c++`` or ``g++`` on the path)."""
     return os.environ.get("CXX") or _path_cxx()
 
 
@@ -183,34 +184,66 @@ def _path_cxx() -> str | None:
     return shutil.which("c++") or shutil.which("g++")
 
 
+# flexpage's native ops: schemas and shapes here, CPU kernels in ``ops.cpp`` (``native_ops``)
+_OPS = torch.library.Library("flexpage", "FRAGMENT")
+_OPS.define("row_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_OPS.define("paged_decode(Tensor query, Tensor key_pool, Tensor value_pool, Tensor table, Tensor tok_rows, "
+            "Tensor tok_pos, int page_size, int window, float scale, float cap) -> Tensor")
+
+
+@torch.library.register_fake("flexpage::row_linear")
+def _row_linear_shape(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.register_fake("flexpage::paged_decode")
+def _paged_decode_shape(query: Tensor, key_pool: Tensor, value_pool: Tensor, table: Tensor, tok_rows: Tensor,
+                        tok_pos: Tensor, page_size: int, window: int, scale: float, cap: float) -> Tensor:
+    return torch.empty_like(query)
+
+
+_ops_lock = threading.Lock()
+
+
 @functools.cache
-def load_row_linear_op() -> bool:
-    """Load ``row_linear_op.cpp`` (with its own build of ``row_linear.c``) into torch's dispatcher,
-    where it registers the C++ CPU kernel of ``flexpage::row_linear`` (an op ``linear`` defines):
-    built once per source, compilers, torch and CPU, like the C libraries. False where it cannot be
-    built or loaded (logged; the op then keeps a Python kernel). Once per process: an op's kernel is
-    registered for good."""
+def native_ops() -> bool:
+    """Load ``ops.cpp`` (with its own builds of ``row_linear.c`` and ``decode_attention.c``) into
+    torch's dispatcher, where it registers the C++ CPU kernels of ``flexpage::row_linear`` and
+    ``flexpage::paged_decode``: built once per source, compilers, torch and CPU, like the C
+    libraries. False where it cannot be built or loaded (logged): ``row_linear`` then gets
+    ``row_linear`` through Python as its kernel, and ``paged_decode`` none (its callers check this
+    first). Once per process, under a lock: an op's kernel is registered for good."""
+    with _ops_lock:
+        if _load_native_ops():
+            return True
+        _OPS.impl("row_linear", row_linear, "CPU")
+        return False
+
+
+def _load_native_ops() -> bool:
     cc, cxx = compiler(), cxx_compiler()
     torch_dir = Path(torch.__file__).parent
     cxx_flags = ["-O2", "-std=c++20", "-shared", "-fPIC", f"-I{torch_dir / 'include'}", f"-L{torch_dir / 'lib'}",
                  f"-Wl,-rpath,{torch_dir / 'lib'}", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
-    c_source, cxx_source = (Path(__file__).with_name(name) for name in ("row_linear.c", "row_linear_op.cpp"))
+    c_sources = [Path(__file__).with_name(f"{name}.c") for name in ENTRY_POINTS]
+    cxx_source = Path(__file__).with_name("ops.cpp")
 
     def build(scratch: Path, built: Path) -> None:
-        objects = scratch / "row_linear.o"
-        _run([cc, *FLAGS, "-c", "-o", str(objects), str(c_source)])
-        _run([cxx, *cxx_flags, "-o", str(built), str(cxx_source), str(objects), "-fopenmp", "-ltorch_cpu", "-lc10"])
+        objects = [str(scratch / f"{source.stem}.o") for source in c_sources]
+        for source, obj in zip(c_sources, objects):
+            _run([cc, *FLAGS, "-c", "-o", obj, str(source)])
+        _run([cxx, *cxx_flags, "-o", str(built), str(cxx_source), *objects, "-fopenmp", "-ltorch_cpu", "-lc10"])
 
     try:
         if cc is None or cxx is None:
             raise FileNotFoundError("no C and C++ compilers on the path (set $CC and $CXX)")
-        inputs = [c_source.read_bytes(), cxx_source.read_bytes(), cc.encode(), cxx.encode(), " ".join(FLAGS).encode(),
-                  " ".join(cxx_flags).encode(), torch.__version__.encode()]
-        torch.ops.load_library(str(_built("row_linear_op", inputs, build)))
+        inputs = [*(source.read_bytes() for source in (*c_sources, cxx_source)), cc.encode(), cxx.encode(),
+                  " ".join(FLAGS).encode(), " ".join(cxx_flags).encode(), torch.__version__.encode()]
+        torch.ops.load_library(str(_built("ops", inputs, build)))
     except (OSError, subprocess.SubprocessError, RuntimeError) as error:
         detail = getattr(error, "stderr", None) or error
-        log.warning("flexpage: the C++ op of the few-row kernel could not be built (%s); its calls go through "
-                    "Python", str(detail)[-2000:])
+        log.warning("flexpage: the C++ ops could not be built (%s); the few-row kernel's calls go through Python, "
+                    "compiled steps' decode attention through the eager kernels", str(detail)[-2000:])
         return False
     return True
 

@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import tempfile
-import threading
 import time
 import types
 from pathlib import Path
@@ -79,34 +78,12 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-_OPS = torch.library.Library("flexpage", "FRAGMENT")  # ``flexpage::row_linear``: the few-row kernel as one op
-_OPS.define("row_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-
-
-@torch.library.register_fake("flexpage::row_linear")
-def _row_linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-
-_op_lock = threading.Lock()
-
-
-@functools.cache
+@functools.cache  # an eager decode step asks for every linear layer
 def row_linear_kernel() -> Kernel:
-    """Give ``flexpage::row_linear`` its CPU kernel, once: the C++ one where it builds
-    (``kernels.load_row_linear_op``: a call costs about what ``F.linear``'s dispatch does), else
-    ``kernels.row_linear`` through Python. Returns what an eager product calls: that op, or
-    ``kernels.row_linear`` directly (cheaper than the op through Python)."""
-    with _op_lock:  # callers in several threads register it once (a second registration raises)
-        if kernels.load_row_linear_op():
-            return torch.ops.flexpage.row_linear.default
-        _python_row_linear()
-        return kernels.row_linear
-
-
-@functools.cache
-def _python_row_linear() -> None:
-    _OPS.impl("row_linear", kernels.row_linear, "CPU")
+    """What an eager product by the few-row kernel calls: ``flexpage::row_linear`` where its C++
+    kernel loaded (``kernels.native_ops``: a call costs about what ``F.linear``'s dispatch does),
+    else ``kernels.row_linear`` directly (cheaper than the op through Python)."""
+    return torch.ops.flexpage.row_linear.default if kernels.native_ops() else kernels.row_linear
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -5,9 +5,10 @@ the real ones are padding: they write to the sink page and see nothing). Each bu
 inputs in tensors built once and rewritten in place every step (``StaticDecode``: token ids,
 positions, slots, rows, the mask's block metadata), and one graph compiled ahead of time over them
 (``compile.StaticCompiled``, saved: a later process loads it in about a second). Inside the graph
-the linear layers call oneDNN on their packed weights and attention runs the eager kernels, both as
-opaque ops: inductor's own were slower on the CPU, and with them the compiled step measured faster
-than the eager one at every bucket (``flexpage bench steps``). The Engine's runner and
+the linear layers call oneDNN on their packed weights or the few-row kernel, and attention the C
+decode kernel (``flexpage::paged_decode``, its keys found through the page table) or else the eager
+kernels, all as opaque ops: inductor's own were slower on the CPU, and with them the compiled step
+measured faster than the eager one at every bucket (``flexpage bench steps``). The Engine's runner and
 ``wrap(compile_decode=True)`` both step through ``StaticSteps``: one mechanism.
 """
 
@@ -25,6 +26,7 @@ from .attention import head_group
 from .cache import PagedKVCache
 from .compile import compile_static
 from .host import host_tensor
+from .kernels import native_ops
 from .linear import FewRowLinears
 from .masks import PackedBlockMask, StaticDecodeMask
 from .pages import PackedPlan, PageTable
@@ -155,10 +157,11 @@ class StaticSteps:
         Returns every row's logits (the padding rows' too) and the seconds the model took."""
         static = self.static.get(decode_len)
         if static is None:
-            # the bucket's graph: besides the model's key it specialises on the bucket, the variants and
-            # the linear kernels it bakes in (measured before it was built), so its key is taken once
+            # the bucket's graph: besides the model's key it specialises on the bucket, the variants, the
+            # linear kernels it bakes in (measured before it was built) and whether it calls the C++ ops,
+            # so its key is taken once
             kernels = self.linears.traced_kernels(decode_len) if self.linears is not None else ()
-            key = (self.key, decode_len, self.group, tuple(sorted(self.variants, key=repr)), kernels)
+            key = (self.key, decode_len, self.group, tuple(sorted(self.variants, key=repr)), kernels, native_ops())
             static = self.static[decode_len] = StaticDecode.build(self.cache.page_table, decode_len, self.variants,
                                                                   self.group, key)
         self.cache.begin_packed_step(rows, [], decode_len, 0, 1, pad_decode=True, into=static.plan, reserved=True)

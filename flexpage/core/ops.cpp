@@ -1,0 +1,162 @@
+// The CPU kernels of flexpage's native ops in C++, behind torch's dispatcher, so a compiled step
+// calls them without entering Python: flexpage::row_linear (row_linear.c's few-row product, once
+// per linear layer per step) and flexpage::paged_decode (decode_attention.c over a step's pages,
+// once per layer). The ops' schemas and shape functions are defined in kernels.py.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/zeros_like.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <torch/library.h>
+
+#include <array>
+#include <vector>
+
+extern "C" {
+int flexpage_f32_linear(const float *x, const float *weight, const float *bias, int64_t rows, int64_t in,
+                        int64_t out, float *y);
+int flexpage_bf16_linear(const uint16_t *x, const uint16_t *weight, const uint16_t *bias, int64_t rows, int64_t in,
+                         int64_t out, uint16_t *y);
+int flexpage_decode_attention(const float *query, const uint8_t *key_pool, const uint8_t *value_pool, int64_t rows,
+                              int64_t kv_heads, int64_t pool_slots, int64_t dim, int64_t group,
+                              const int64_t *first_run, const int64_t *starts, const int64_t *counts, float scale,
+                              float cap, int64_t part_keys, int format, const float *lut, int bf16_query, float *out);
+}
+
+namespace {
+
+constexpr int64_t PART_KEYS = 256;  // fewest keys a thread's part takes (kernels.PART_KEYS)
+
+// F.linear(x, weight, bias) for float32 or bfloat16 CPU tensors of one dtype, weight contiguous.
+at::Tensor row_linear(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
+    const auto dtype = x.scalar_type();
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "flexpage::row_linear: float32 or bfloat16, got ",
+                dtype);
+    TORCH_CHECK(weight.scalar_type() == dtype && weight.dim() == 2 && weight.is_contiguous() &&
+                    x.size(-1) == weight.size(1),
+                "flexpage::row_linear: a contiguous [out, in] weight of the input's dtype and width");
+    TORCH_CHECK(!bias || (bias->scalar_type() == dtype && bias->is_contiguous() && bias->numel() == weight.size(0)),
+                "flexpage::row_linear: a contiguous bias of the weight's outputs");
+    const at::Tensor flat = x.reshape({-1, x.size(-1)}).contiguous();
+    const int64_t rows = flat.size(0), in = weight.size(1), out = weight.size(0);
+    at::Tensor y = at::empty({rows, out}, x.options());
+    const int status =
+        dtype == at::kFloat
+            ? flexpage_f32_linear(static_cast<const float *>(flat.const_data_ptr()),
+                                  static_cast<const float *>(weight.const_data_ptr()),
+                                  bias ? static_cast<const float *>(bias->const_data_ptr()) : nullptr, rows, in, out,
+                                  static_cast<float *>(y.mutable_data_ptr()))
+            : flexpage_bf16_linear(static_cast<const uint16_t *>(flat.const_data_ptr()),
+                                   static_cast<const uint16_t *>(weight.const_data_ptr()),
+                                   bias ? static_cast<const uint16_t *>(bias->const_data_ptr()) : nullptr, rows, in,
+                                   out, static_cast<uint16_t *>(y.mutable_data_ptr()));
+    TORCH_CHECK(status == 0, "flexpage::row_linear: this CPU's build lacks ", dtype);
+    std::vector<int64_t> sizes = x.sizes().vec();
+    sizes.back() = out;
+    return y.view(sizes);
+}
+
+// decode_attention.c's ``enum format`` of a pool dtype (-1: not one it reads).
+int format_of(at::ScalarType dtype) {
+    switch (dtype) {
+    case at::kChar: return 0;
+    case at::kFloat8_e4m3fn: return 1;
+    case at::kFloat: return 2;
+    case at::kBFloat16: return 3;
+    default: return -1;
+    }
+}
+
+// The float value of each of the 256 float8_e4m3fn bytes (the kernel's scalar path looks them up).
+const float *float8_values() {
+    static const std::array<float, 256> values = [] {
+        std::array<float, 256> table{};
+        for (int byte = 0; byte < 256; byte++)
+            table[byte] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(byte), c10::Float8_e4m3fn::from_bits()));
+        return table;
+    }();
+    return values.data();
+}
+
+// A static decode step's attention: the packed query [1, Hq, n, D] (float32 or bfloat16), token t
+// of page-table row tok_rows[t] at position tok_pos[t] (< 0: padding, whose output is zeros)
+// attending its row's keys at positions max(0, pos - window + 1)..pos (window <= 0: all), found
+// through ``table`` ([rows, pages] int32 page ids) in pools [1, Hkv, slots, D] (quantised: D + 2)
+// and read in place. Scores soft-capped at cap where it is positive. Returns [1, Hq, n, D].
+at::Tensor paged_decode(const at::Tensor &query, const at::Tensor &key_pool, const at::Tensor &value_pool,
+                        const at::Tensor &table, const at::Tensor &tok_rows, const at::Tensor &tok_pos,
+                        int64_t page_size, int64_t window, double scale, double cap) {
+    TORCH_CHECK(query.dim() == 4 && query.size(0) == 1 &&
+                    (query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16),
+                "flexpage::paged_decode: a float32 or bfloat16 query of shape [1, heads, tokens, dim]");
+    const int64_t heads = query.size(1), n = query.size(2), dim = query.size(3);
+    const int64_t kv_heads = key_pool.size(1), slots = key_pool.size(2);
+    const int format = format_of(key_pool.scalar_type());
+    TORCH_CHECK(format >= 0 && key_pool.scalar_type() == value_pool.scalar_type() &&
+                    key_pool.sizes() == value_pool.sizes() && key_pool.dim() == 4 && key_pool.is_contiguous() &&
+                    value_pool.is_contiguous() && key_pool.size(3) == (format < 2 ? dim + 2 : dim),
+                "flexpage::paged_decode: contiguous pools [1, kv_heads, slots, dim] of one dtype it reads");
+    TORCH_CHECK(heads % kv_heads == 0, "flexpage::paged_decode: query heads a multiple of the KV heads");
+    TORCH_CHECK(table.scalar_type() == at::kInt && table.dim() == 2 && table.is_contiguous() &&
+                    tok_rows.scalar_type() == at::kLong && tok_pos.scalar_type() == at::kLong &&
+                    tok_rows.numel() == n && tok_pos.numel() == n && tok_rows.is_contiguous() && tok_pos.is_contiguous(),
+                "flexpage::paged_decode: an int32 page table and int64 rows and positions, one per token");
+    const int32_t *pages = table.const_data_ptr<int32_t>();
+    const int64_t *rows = tok_rows.const_data_ptr<int64_t>(), *positions = tok_pos.const_data_ptr<int64_t>();
+    const int64_t width = table.size(1);
+    // each fed token's keys as runs of consecutive slots, its pages' slots merged where they follow on
+    std::vector<int64_t> fed, first_run{0}, starts, counts;
+    int64_t keys = 0;
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t pos = positions[t];
+        if (pos < 0) continue;
+        TORCH_CHECK(rows[t] >= 0 && rows[t] < table.size(0) && pos / page_size < width,
+                    "flexpage::paged_decode: token ", t, " lies outside the page table");
+        const int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+        for (int64_t at = lo; at <= pos;) {
+            const int64_t page = pages[rows[t] * width + at / page_size];
+            TORCH_CHECK(page >= 0, "flexpage::paged_decode: token ", t, " reads a page its row does not hold");
+            const int64_t start = page * page_size + at % page_size;
+            const int64_t count = std::min(page_size - at % page_size, pos + 1 - at);
+            TORCH_CHECK(start + count <= slots, "flexpage::paged_decode: a page past the pools");
+            if (starts.size() > static_cast<size_t>(first_run.back()) && starts.back() + counts.back() == start)
+                counts.back() += count;
+            else
+                starts.push_back(start), counts.push_back(count);
+            at += count;
+        }
+        keys += pos + 1 - lo;
+        fed.push_back(t);
+        first_run.push_back(static_cast<int64_t>(starts.size()));
+    }
+    at::Tensor out = at::zeros_like(query);
+    const int64_t count = static_cast<int64_t>(fed.size());
+    if (count == 0) return out;
+    const int64_t group = heads / kv_heads;
+    const at::Tensor index = at::from_blob(fed.data(), {count}, tok_pos.options()).clone();
+    // [count, Hq, D] -> [count, Hkv, group, D] float: each KV head's query heads together
+    const at::Tensor folded = query[0].index_select(1, index).transpose(0, 1).to(at::kFloat).contiguous();
+    at::Tensor attended = at::empty_like(folded);
+    // enough parts for every thread to take a few (the KV heads alone may be fewer than threads)
+    const int64_t parts = 4 * at::get_num_threads();
+    const int64_t part_keys = std::max(PART_KEYS, (keys * kv_heads + parts - 1) / parts);
+    const int status = flexpage_decode_attention(
+        folded.const_data_ptr<float>(), static_cast<const uint8_t *>(key_pool.const_data_ptr()),
+        static_cast<const uint8_t *>(value_pool.const_data_ptr()), count, kv_heads, slots, dim, group,
+        first_run.data(), starts.data(), counts.data(), static_cast<float>(scale), cap > 0 ? static_cast<float>(cap) : 0.0f,
+        part_keys, format, float8_values(), query.scalar_type() == at::kBFloat16, attended.mutable_data_ptr<float>());
+    TORCH_CHECK(status != 2, "flexpage::paged_decode: out of memory");
+    TORCH_CHECK(status == 0, "flexpage::paged_decode: shapes the kernel does not take (at most 16 query heads per "
+                             "KV head, a head dimension of at most 256)");
+    out[0].index_copy_(1, index, attended.to(query.scalar_type()).transpose(0, 1));
+    return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(flexpage, CPU, m) {
+    m.impl("row_linear", row_linear);
+    m.impl("paged_decode", paged_decode);
+}
