@@ -1,8 +1,10 @@
 """flexpage's C decode kernel against the kernels it replaced, alternated in one process.
 
 Part 1, batch-1 decode over a long context (``bench long``'s filled caches, ``wrap``): ms/token
-over float32 pages with the kernel (as shipped) and with SDPA (the lone token's threshold raised
-past any context), and over int8 pages (the kernel). Part 2, the Engine's decode-only steps with
+over float32 pages with the kernel (as shipped: called from C++, ``flexpage::paged_decode``), with
+the kernel called through ``ctypes`` (the C++ op off, the lone token's threshold lowered to one key)
+and with SDPA (the C++ op off, the threshold raised past any context), and over int8 pages (the
+kernel). Part 2, the Engine's decode-only steps with
 several requests (``bench steps``' measure, eager steps): every row's keys through the kernel in
 one call (as shipped) against FlexAttention's CPU template. Each cell: median of each round's
 median step.
@@ -26,7 +28,7 @@ import flexpage  # noqa: E402
 from flexpage import zoo  # noqa: E402
 from flexpage.bench.long import decode_ms, fill_paged  # noqa: E402
 from flexpage.bench.steps import step_ms  # noqa: E402
-from flexpage.core import policy  # noqa: E402
+from flexpage.core import attention, policy  # noqa: E402
 
 
 def alternated(configs: dict, measure, rounds: int) -> dict[str, float]:
@@ -50,15 +52,18 @@ def main() -> None:
     args.model = zoo.chosen_model(args)
     shipped = policy.CPU_POLICY
     no_lone_kernel = dataclasses.replace(shipped, lone_decode_kernel_keys=1 << 62)
+    lone_kernel = dataclasses.replace(shipped, lone_decode_kernel_keys=1)
+    native = attention.native_ops_loaded
     no_row_kernel = dataclasses.replace(shipped, decode_kernel_dtypes=frozenset({torch.int8, torch.float8_e4m3fn}))
 
     tokens = max(args.lengths) + 64
     models = {kv: flexpage.wrap(zoo.load(args.model), kv_dtype=kv, max_cached_tokens=tokens, max_batch_size=1)
               for kv in (None, "int8")}
-    lone = {"float32 kernel": (None, shipped), "float32 SDPA": (None, no_lone_kernel), "int8 kernel": ("int8", shipped)}
+    lone = {"float32 kernel": (None, shipped, native), "float32 kernel by ctypes": (None, lone_kernel, lambda: False),
+            "float32 SDPA": (None, no_lone_kernel, lambda: False), "int8 kernel": ("int8", shipped, native)}
     for length in args.lengths:
         def one(name: str, round_: int) -> float:
-            kv, policy.CPU_POLICY = lone[name]
+            kv, policy.CPU_POLICY, attention.native_ops_loaded = lone[name]
             model = models[kv]
             return statistics.median(decode_ms(model, fill_paged(model, length, round_), 7, seed=round_)[1:])
         ms = alternated(lone, one, args.rounds)
@@ -75,7 +80,7 @@ def main() -> None:
         ms = alternated(batched, step, args.rounds)
         print(f"Engine, {rows} rows of {args.context}-token prompts: kernel {ms['kernel']:.1f} ms a step, "
               f"FlexAttention {ms['FlexAttention']:.1f} ms ({ms['kernel'] / ms['FlexAttention']:.2f}x)", flush=True)
-    policy.CPU_POLICY = shipped
+    policy.CPU_POLICY, attention.native_ops_loaded = shipped, native
 
 
 if __name__ == "__main__":

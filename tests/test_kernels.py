@@ -78,18 +78,31 @@ def test_without_a_compiler_decode_tokens_fall_back_to_sdpa_over_dequantised_key
     assert "the C kernel decode_attention could not be built" in caplog.text
 
 
-def test_generate_with_every_decode_token_through_the_kernel_equals_stock(monkeypatch, stock_llama):
-    """The kernel over float32 pages for every decode token (the lone token's threshold lowered): a
+@pytest.mark.parametrize("native", [True, False])
+def test_generate_with_every_decode_token_through_the_kernel_equals_stock(monkeypatch, stock_llama, native):
+    """Every decode token over float32 pages by the kernel: through C++ (``flexpage::paged_decode``,
+    where the C++ ops build), or else through ``ctypes`` (the lone token's threshold lowered). A
     padded batch of two (one kernel call per layer for both rows), then each prompt alone, give
     stock's greedy tokens, and every decode step's layers ran it."""
-    monkeypatch.setattr(policy, "CPU_POLICY", dataclasses.replace(policy.CPU_POLICY, lone_decode_kernel_keys=1))
     calls = []
+    if native:
+        assert kernels.native_ops()
+        through = attention._paged_decode
 
-    def counted(*args, **kwargs):
-        calls.append(args[0].shape[0])  # the decode tokens of the call
-        return kernels.decode_attention(*args, **kwargs)
+        def counted(query, *args, **kwargs):
+            calls.append(query.shape[2])  # the decode tokens of the call
+            return through(query, *args, **kwargs)
 
-    monkeypatch.setattr(attention, "decode_attention", counted)
+        monkeypatch.setattr(attention, "_paged_decode", counted)
+    else:
+        monkeypatch.setattr(attention, "native_ops_loaded", lambda: False)
+        monkeypatch.setattr(policy, "CPU_POLICY", dataclasses.replace(policy.CPU_POLICY, lone_decode_kernel_keys=1))
+
+        def counted(*args, **kwargs):
+            calls.append(args[0].shape[0])  # the decode tokens of the call
+            return kernels.decode_attention(*args, **kwargs)
+
+        monkeypatch.setattr(attention, "decode_attention", counted)
     model = flexpage.wrap(zoo.build("llama-tiny"), compile_decode=False, max_batch_size=2)
     prompts = workload((40, 13))
     ids = torch.tensor([[0] * 27 + prompts[1], prompts[0]])
@@ -146,6 +159,18 @@ def test_paged_decode_attends_each_tokens_keys_through_the_page_table_as_sdpa(dt
             values = values_of(value_pool[:, :, slots])
             torch.testing.assert_close(got[:, :, t : t + 1].float(), want, **(
                 {} if query_dtype == torch.float32 else {"atol": 2 ** -9 * values.abs().max().item(), "rtol": 2 ** -8}))
+
+
+def test_paged_decode_is_a_well_formed_op():
+    """``opcheck``: its shape function agrees with the kernel (contiguous output of the query's
+    shape, for a query of a forward's strides), and it traces and dispatches as a custom op should."""
+    assert kernels.native_ops()
+    torch.manual_seed(0)
+    pool = torch.randn(1, 2, 64, 32)
+    query = torch.randn(1, 3, 4, 32).transpose(1, 2)  # [1, heads, tokens, dim] as a forward transposes it
+    table = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)
+    args = (query, pool, pool.clone(), table, torch.tensor([1, 0, 0]), torch.tensor([20, 5, -1]), 16, 0, 0.2, 0.0)
+    torch.library.opcheck(torch.ops.flexpage.paged_decode.default, args)
 
 
 def test_paged_decode_refuses_tokens_outside_the_page_table():

@@ -261,11 +261,8 @@ def packed_attention(
     Returns ``[1, Hq, T, Dv]``.
     """
     if isinstance(block_mask, StaticDecodeMask) and torch.compiler.is_compiling():  # one opaque call
-        if native_decode(query, key_pool):  # the C kernel through C++, its keys found through the page table
-            table, plan = block_mask.page_table, block_mask.for_window(window).plan
-            return torch.ops.flexpage.paged_decode(query, key_pool, value_pool, table.table, plan.tok_rows,
-                                                   plan.tok_pos, table.page_size, window or 0,
-                                                   query.shape[-1] ** -0.5 if scale is None else scale, cap or 0.0)
+        if native_decode(query, key_pool):
+            return _paged_decode(query, key_pool, value_pool, block_mask.for_window(window), window, cap, scale)
         return static_decode_attention(query, key_pool, value_pool, block_mask.plan.tok_pos, window, cap, scale)
     block_mask = block_mask.for_window(window)  # a windowed layer whose pages its rows' window rows hold
     plan = block_mask.plan
@@ -275,7 +272,11 @@ def packed_attention(
         )
     outputs = []
     decoded = plan.decode_tokens  # the decode region's positions (all decode_len rows in a compiled step)
-    if decoded and block_mask.lone_decode_row() and sdpa_over_pages(query.device, cap, 1):
+    if decoded and native_decode(query, key_pool):
+        if not torch.compiler.is_compiling():  # (a traced forward's variants are known before it)
+            block_mask.note_decode(window, cap)
+        outputs.append(_paged_decode(query[:, :, :decoded], key_pool, value_pool, block_mask, window, cap, scale))
+    elif decoded and block_mask.lone_decode_row() and sdpa_over_pages(query.device, cap, 1):
         # one sequence's decode token(s): one SDPA call over its pages; padding rows keep zeros (never read)
         kv = block_mask.decode_kv(window)
         fed = len(block_mask.fed_decode_rows())
@@ -334,18 +335,32 @@ def _flex_pools(query: Tensor, key_pool: Tensor, value_pool: Tensor, block_mask:
             dequantised_pool(value_pool, slots, query.dtype, "values"))
 
 
+def _paged_decode(query: Tensor, key_pool: Tensor, value_pool: Tensor, block_mask: PackedBlockMask,
+                  window: int | None, cap: float | None, scale: float | None) -> Tensor:
+    """The attention of the first ``query.shape[2]`` tokens of ``block_mask``'s plan (decode tokens,
+    padding ones at position -1) by ``flexpage::paged_decode``: each token's keys up to its position
+    (within ``window``) found through the page table and read in place, no Python per row."""
+    plan, table = block_mask.plan, block_mask.page_table
+    tokens = query.shape[2]
+    return torch.ops.flexpage.paged_decode(query, key_pool, value_pool, table.table, plan.tok_rows[:tokens],
+                                           plan.tok_pos[:tokens], table.page_size, window or 0,
+                                           query.shape[-1] ** -0.5 if scale is None else scale, cap or 0.0)
+
+
 def native_decode(query: Tensor, key_pool: Tensor) -> bool:
-    """Whether a static decode step's attention over these pools is ``flexpage::paged_decode`` (the C
-    kernel called from C++): on a device whose policy gives the pools' dtype to the kernel, for
-    float32 or bfloat16 queries of at most 16 heads per KV head and 256 values a head, where
-    the C++ ops were built (``kernels.native_ops``)."""
+    """Whether decode tokens over these pools are attended by ``flexpage::paged_decode`` (the C
+    kernel called from C++, eager and compiled steps alike): on a device whose policy gives the
+    pools' dtype to the kernel, for float32 or bfloat16 queries of at most 16 heads per KV head and
+    256 values a head, where the C++ ops were built (``kernels.native_ops``)."""
     return (key_pool.dtype in device_policy(query.device).decode_kernel_dtypes
             and query.dtype in (torch.float32, torch.bfloat16) and query.shape[1] % key_pool.shape[1] == 0
-            and query.shape[1] // key_pool.shape[1] <= 16 and query.shape[-1] <= 256 and _native_ops())
+            and query.shape[1] // key_pool.shape[1] <= 16 and query.shape[-1] <= 256 and native_ops_loaded())
 
 
 @torch.compiler.assume_constant_result
-def _native_ops() -> bool:
+def native_ops_loaded() -> bool:
+    """``kernels.native_ops()``, a constant to a traced forward (benchmarks turn it off to time
+    the paths it replaces)."""
     return native_ops()
 
 

@@ -199,7 +199,7 @@ def _row_linear_shape(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 @torch.library.register_fake("flexpage::paged_decode")
 def _paged_decode_shape(query: Tensor, key_pool: Tensor, value_pool: Tensor, table: Tensor, tok_rows: Tensor,
                         tok_pos: Tensor, page_size: int, window: int, scale: float, cap: float) -> Tensor:
-    return torch.empty_like(query)
+    return query.new_empty(query.shape)  # contiguous, as the kernel returns it
 
 
 _ops_lock = threading.Lock()

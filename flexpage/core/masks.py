@@ -469,15 +469,21 @@ class PackedBlockMask(_StepMask):
     def windows(self) -> set[int | None]:
         """The sliding windows (None: no window) of the layers that attended through this mask."""
         inner = set() if self.window_mask is None else self.window_mask.windows()
-        return inner | {key[1] for key in self._variants if key[0] in ("decode", "decode_kv", "decode_runs", "chunk",
-                                                                        "chunk_kvs")}
+        return inner | {key[1] for key in self._variants if key[0] in ("decode", "decode_kv", "decode_runs",
+                                                                        "paged_decode", "chunk", "chunk_kvs")}
 
     def decode_variants(self) -> set[tuple[int | None, float | None]]:
         """The ``(window, cap)`` variants whose decode region this step's layers asked for (as
-        FlexAttention's block mask, or as the C kernel's runs: no soft-cap)."""
+        FlexAttention's block mask, as the C kernel's runs, or through ``note_decode``)."""
         inner = set() if self.window_mask is None else self.window_mask.decode_variants()
-        return (inner | {(key[1], key[2]) for key in self._variants if key[0] == "decode"}
+        return (inner | {(key[1], key[2]) for key in self._variants if key[0] in ("decode", "paged_decode")}
                 | {(key[1], None) for key in self._variants if key[0] == "decode_runs"})
+
+    def note_decode(self, window: int | None, cap: float | None) -> None:
+        """Record that a layer of variant ``(window, cap)`` attended this step's decode tokens by a
+        kernel that reads the page table itself (``attention.native_decode``): what ``windows`` and
+        ``decode_variants`` report, as for the variants built here."""
+        self._variant(("paged_decode", window, cap), lambda: None)
 
     def prepare(self, variants: set[tuple[int | None, float | None]]) -> "PackedBlockMask":
         """Build the decode region of each layer variant ``(window, cap)`` now, as a compiled

@@ -5,12 +5,10 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/from_blob.h>
-#include <ATen/ops/zeros_like.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <vector>
 
@@ -80,6 +78,31 @@ const float *float8_values() {
     return values.data();
 }
 
+// Tokens ``fed`` of a query [1, heads, n, dim] (any strides) as float rows [fed, heads, dim].
+template <typename T>
+void gather_tokens(const T *query, at::IntArrayRef strides, const std::vector<int64_t> &fed, int64_t heads,
+                   int64_t dim, float *rows) {
+    for (size_t c = 0; c < fed.size(); c++)
+        for (int64_t h = 0; h < heads; h++) {
+            const T *from = query + h * strides[1] + fed[c] * strides[2];
+            float *to = rows + (c * heads + h) * dim;
+            for (int64_t d = 0; d < dim; d++) to[d] = static_cast<float>(from[d * strides[3]]);
+        }
+}
+
+// Float rows [fed, heads, dim] into a contiguous [1, heads, n, dim] output at tokens ``fed``, zeros elsewhere.
+template <typename T>
+void scatter_tokens(const float *rows, const std::vector<int64_t> &fed, int64_t n, int64_t heads, int64_t dim,
+                    T *out) {
+    std::fill(out, out + heads * n * dim, T(0));
+    for (size_t c = 0; c < fed.size(); c++)
+        for (int64_t h = 0; h < heads; h++) {
+            const float *from = rows + (c * heads + h) * dim;
+            T *to = out + (h * n + fed[c]) * dim;
+            for (int64_t d = 0; d < dim; d++) to[d] = static_cast<T>(from[d]);
+        }
+}
+
 // A static decode step's attention: the packed query [1, Hq, n, D] (float32 or bfloat16), token t
 // of page-table row tok_rows[t] at position tok_pos[t] (< 0: padding, whose output is zeros)
 // attending its row's keys at positions max(0, pos - window + 1)..pos (window <= 0: all), found
@@ -131,26 +154,32 @@ at::Tensor paged_decode(const at::Tensor &query, const at::Tensor &key_pool, con
         fed.push_back(t);
         first_run.push_back(static_cast<int64_t>(starts.size()));
     }
-    at::Tensor out = at::zeros_like(query);
+    at::Tensor out = at::empty({1, heads, n, dim}, query.options());
     const int64_t count = static_cast<int64_t>(fed.size());
-    if (count == 0) return out;
-    const int64_t group = heads / kv_heads;
-    const at::Tensor index = at::from_blob(fed.data(), {count}, tok_pos.options()).clone();
-    // [count, Hq, D] -> [count, Hkv, group, D] float: each KV head's query heads together
-    const at::Tensor folded = query[0].index_select(1, index).transpose(0, 1).to(at::kFloat).contiguous();
-    at::Tensor attended = at::empty_like(folded);
-    // enough parts for every thread to take a few (the KV heads alone may be fewer than threads)
-    const int64_t parts = 4 * at::get_num_threads();
-    const int64_t part_keys = std::max(PART_KEYS, (keys * kv_heads + parts - 1) / parts);
-    const int status = flexpage_decode_attention(
-        folded.const_data_ptr<float>(), static_cast<const uint8_t *>(key_pool.const_data_ptr()),
-        static_cast<const uint8_t *>(value_pool.const_data_ptr()), count, kv_heads, slots, dim, group,
-        first_run.data(), starts.data(), counts.data(), static_cast<float>(scale), cap > 0 ? static_cast<float>(cap) : 0.0f,
-        part_keys, format, float8_values(), query.scalar_type() == at::kBFloat16, attended.mutable_data_ptr<float>());
-    TORCH_CHECK(status != 2, "flexpage::paged_decode: out of memory");
-    TORCH_CHECK(status == 0, "flexpage::paged_decode: shapes the kernel does not take (at most 16 query heads per "
-                             "KV head, a head dimension of at most 256)");
-    out[0].index_copy_(1, index, attended.to(query.scalar_type()).transpose(0, 1));
+    // the fed tokens' queries as float [count, Hkv, group, D] (each KV head's query heads together)
+    std::vector<float> folded(count * heads * dim), attended(count * heads * dim);
+    const int bf16 = query.scalar_type() == at::kBFloat16;
+    if (bf16)
+        gather_tokens(query.const_data_ptr<c10::BFloat16>(), query.strides(), fed, heads, dim, folded.data());
+    else
+        gather_tokens(query.const_data_ptr<float>(), query.strides(), fed, heads, dim, folded.data());
+    if (count > 0) {
+        // enough parts for every thread to take a few (the KV heads alone may be fewer than threads)
+        const int64_t parts = 4 * at::get_num_threads();
+        const int64_t part_keys = std::max(PART_KEYS, (keys * kv_heads + parts - 1) / parts);
+        const int status = flexpage_decode_attention(
+            folded.data(), static_cast<const uint8_t *>(key_pool.const_data_ptr()),
+            static_cast<const uint8_t *>(value_pool.const_data_ptr()), count, kv_heads, slots, dim, heads / kv_heads,
+            first_run.data(), starts.data(), counts.data(), static_cast<float>(scale),
+            cap > 0 ? static_cast<float>(cap) : 0.0f, part_keys, format, float8_values(), bf16, attended.data());
+        TORCH_CHECK(status != 2, "flexpage::paged_decode: out of memory");
+        TORCH_CHECK(status == 0, "flexpage::paged_decode: shapes the kernel does not take (at most 16 query heads "
+                                 "per KV head, a head dimension of at most 256)");
+    }
+    if (bf16)
+        scatter_tokens(attended.data(), fed, n, heads, dim, out.mutable_data_ptr<c10::BFloat16>());
+    else
+        scatter_tokens(attended.data(), fed, n, heads, dim, out.mutable_data_ptr<float>());
     return out;
 }
 

@@ -39,10 +39,11 @@ class DevicePolicy:
     host_sampling: bool
     # Decode tokens over pages of these dtypes are attended by flexpage's C kernel reading each
     # row's pages in place (``kernels``), a batch of them in one call: faster than FlexAttention's
-    # CPU template, and quantised pages need no dequantised copy.
+    # CPU template, and quantised pages need no dequantised copy. Called from C++ where those ops
+    # build (``flexpage::paged_decode``: faster than SDPA's flash kernel from the fewest keys).
     decode_kernel_dtypes: frozenset[torch.dtype]
-    # ... a lone decode token over float pages from this many keys on (SDPA's flash kernel is
-    # faster below); over quantised pages always.
+    # ... where the C++ ops do not build (the kernel through ``ctypes``), a lone decode token over
+    # float pages from this many keys on (SDPA's flash kernel is faster below); over quantised pages always.
     lone_decode_kernel_keys: int
     # Tokens per page when ``wrap`` chooses: larger pages mean fewer, larger KV blocks.
     page_size: int
