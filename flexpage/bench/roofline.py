@@ -7,9 +7,13 @@ reduction (``max`` over their bytes) over the very same tensors: the model's wei
 where the LM head reads it) and B x L tokens' K/V in a cache pool — and each configuration's decode
 time. At batch 1: stock ``generate()`` (dynamic cache), ``wrap``, ``wrap(compile_decode=True)`` (ms per
 token: the median gap between generated tokens) and an Engine serving one request; at batch B > 1 an
-Engine's decode-only steps of B sequences (ms per step, host work included). Every cell is measured
-once per round, the roofline first, configurations in turn; each cell's best round is reported, and
-its ratio to the roofline of the same round.
+Engine's decode-only steps of B sequences (ms per step, host work included). Beside it the step's
+arithmetic bound: its multiply-adds (every linear layer's weight times B rows, attention over B x L
+keys) at the rate of a large GEMM of the same dtype measured in the same process; a step of many
+rows cannot beat that either (``x_bound``: the time over the larger of the two). Every cell is
+measured once per round, its bounds first, dtypes and configurations in turn (dtypes alternate
+within a round, so a drift of the machine's read speed reaches both); each cell's best round is
+reported, over its best roofline.
 
     flexpage bench roofline                    # llama-small, float32 and bfloat16, L 128..2048, batch 1/8/32
     flexpage bench roofline --quick            # llama-tiny, float32, L 64, batch 1 and 2, one round (CI)
@@ -29,7 +33,7 @@ from transformers import LogitsProcessorList, PreTrainedModel
 import flexpage
 from flexpage import zoo
 from flexpage.bench.measure import (TokenClock, add_run_arguments, caption, finish_axes, machine_info,
-                                    save_figure, save_run)
+                                    save_figure, save_run, time_ms)
 from flexpage.bench.steps import step_ms
 
 BATCH_ONE = ("stock", "wrap", "wrap_compiled", "engine")  # configurations timed at batch 1
@@ -79,6 +83,28 @@ def read_ms(tensors: list[torch.Tensor], repeats: int = 5) -> float:
             tensor.max()
         samples.append((time.perf_counter() - start) * 1e3)
     return statistics.median(samples)
+
+
+GEMM_SIZE = 1024  # the square product whose rate stands for the machine's arithmetic
+
+
+def step_flops(model: PreTrainedModel, batch: int, context: int) -> int:
+    """Floating-point operations of a decode step of ``batch`` sequences over ``context`` keys each:
+    every linear layer's weight times each row, and each layer's scores and weighted values."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    attention = 2 * context * config.num_attention_heads * head_dim * config.num_hidden_layers
+    return 2 * batch * (linear + attention)
+
+
+def gemm_ms_per_gflop(dtype: torch.dtype, repeats: int = 3) -> float:
+    """Milliseconds per billion operations of a ``GEMM_SIZE``-square product in ``dtype`` (the best of
+    ``repeats``): the rate at which this machine does a step's arithmetic at best."""
+    a, b = (torch.randn(GEMM_SIZE, GEMM_SIZE).to(dtype) for _ in range(2))
+    torch.mm(a, b)
+    best = min(time_ms(lambda: torch.mm(a, b), repeats))
+    return best / (2 * GEMM_SIZE ** 3 / 1e9)
 
 
 def generate_ms(model: PreTrainedModel, context: int, new_tokens: int) -> float:
@@ -145,12 +171,12 @@ def plot(summary: list[dict], meta: dict, path: str) -> None:
     ax = axes[0][-1]
     for dtype in dtypes:
         for batch in sorted({r["batch"] for r in summary}):
-            points = sorted((r["length"], r["x_roofline"]) for r in summary
+            points = sorted((r["length"], r["x_bound"]) for r in summary
                             if r["dtype"] == dtype and r["batch"] == batch and r["config"] == "engine")
             ax.plot(*zip(*points), marker="o", ls="-" if dtype == "float32" else ":", label=f"Engine, {batch}, {dtype}")
     ax.axhline(1.0, color="black", lw=0.8)
-    ax.set(xscale="log", xlabel="context tokens", ylabel="step time / roofline",
-           title="Engine decode step vs roofline, by batch")
+    ax.set(xscale="log", xlabel="context tokens", ylabel="step time / its bound (read or arithmetic)",
+           title="Engine decode step vs its bound, by batch")
     ax.minorticks_off()
     finish_axes(ax, lengths)
     fig.suptitle(caption(meta), fontsize=8)
@@ -177,37 +203,41 @@ def main(argv: list[str] | None = None) -> None:
     cells = [(length, batch, config) for length in args.lengths for batch in args.batches
              for config in (BATCH_ONE if batch == 1 else ("engine",))]
     records = []
+    configs = {name: build(args.model, DTYPES[name], tokens, max(args.batches)) for name in args.dtypes}
+    weights = {name: weight_tensors(configs[name]["stock"]) for name in args.dtypes}
     with tqdm(total=len(args.dtypes) * args.rounds * len(cells), desc="cells", unit="cell") as bar:
-        for name in args.dtypes:
-            configs = build(args.model, DTYPES[name], tokens, max(args.batches))
-            weights = weight_tensors(configs["stock"])
-            weight_bytes = sum(t.numel() * t.element_size() for t in weights)
-            cache = flexpage.paged_state(configs["engine"].model).cache
-            for round_ in range(args.rounds):
+        for round_ in range(args.rounds):
+            for name in args.dtypes:
+                cache = flexpage.paged_state(configs[name]["engine"].model).cache
+                weight_bytes = sum(t.numel() * t.element_size() for t in weights[name])
                 for length, batch, config in cells:
                     if config != "engine" and round_ == 0:
-                        generate_ms(configs[config], length, 2)  # warm: compiles, first touches
+                        generate_ms(configs[name][config], length, 2)  # warm: compiles, first touches
                     kv = kv_tensors(cache, batch * length)
-                    roof = read_ms(weights + kv)
-                    ms = measure(configs, config, length, batch, args.new_tokens, seed=round_)
+                    roof = read_ms(weights[name] + kv)
+                    compute = step_flops(configs[name]["stock"], batch, length) / 1e9 * gemm_ms_per_gflop(DTYPES[name])
+                    ms = measure(configs[name], config, length, batch, args.new_tokens, seed=round_)
                     records.append({"dtype": name, "length": length, "batch": batch, "config": config,
                                     "round": round_, "ms": round(ms, 3), "roofline_ms": round(roof, 3),
-                                    "weight_bytes": weight_bytes, "kv_bytes": sum(t.numel() * t.element_size()
-                                                                                  for t in kv)})
+                                    "compute_ms": round(compute, 3), "weight_bytes": weight_bytes,
+                                    "kv_bytes": sum(t.numel() * t.element_size() for t in kv)})
                     bar.update()
-            del configs, weights, cache
+    del configs, weights
     summary = []
     for name in args.dtypes:
         for length, batch, config in cells:
             runs = [r for r in records if (r["dtype"], r["length"], r["batch"], r["config"]) == (name, length, batch, config)]
             best, roof = min(runs, key=lambda r: r["ms"]), min(r["roofline_ms"] for r in runs)
+            compute = min(r["compute_ms"] for r in runs)
             step_bytes = best["weight_bytes"] + best["kv_bytes"]
             row = {"dtype": name, "length": length, "batch": batch, "config": config, "ms": best["ms"],
                    "roofline_ms": roof, "x_roofline": round(best["ms"] / roof, 3), "step_bytes": step_bytes,
-                   "read_gb_per_s": round(step_bytes / roof / 1e6, 1)}
+                   "read_gb_per_s": round(step_bytes / roof / 1e6, 1), "compute_ms": compute,
+                   "x_bound": round(best["ms"] / max(roof, compute), 3)}
             summary.append(row)
             print(f"{name:>8} L={length:5d} B={batch:2d} {config:<14} {row['ms']:8.2f} ms  roofline {roof:7.2f} ms "
-                  f"({row['read_gb_per_s']} GB/s)  x{row['x_roofline']:.2f}", flush=True)
+                  f"({row['read_gb_per_s']} GB/s)  x{row['x_roofline']:.2f}  arithmetic {compute:7.2f} ms  "
+                  f"x{row['x_bound']:.2f} the larger", flush=True)
     meta = {"machine": machine_info(), "model": args.model, "new_tokens": args.new_tokens, "rounds": args.rounds,
             "command": " ".join(sys.argv), "summary": summary}
     save_run(args, records, meta, plot)

@@ -348,13 +348,20 @@ def _paged_decode(query: Tensor, key_pool: Tensor, value_pool: Tensor, block_mas
 
 
 def native_decode(query: Tensor, key_pool: Tensor) -> bool:
-    """Whether decode tokens over these pools are attended by ``flexpage::paged_decode`` (the C
-    kernel called from C++, eager and compiled steps alike): on a device whose policy gives the
-    pools' dtype to the kernel, for float32 or bfloat16 queries of at most 16 heads per KV head and
-    256 values a head, where the C++ ops were built (``kernels.native_ops``)."""
-    return (key_pool.dtype in device_policy(query.device).decode_kernel_dtypes
-            and query.dtype in (torch.float32, torch.bfloat16) and query.shape[1] % key_pool.shape[1] == 0
-            and query.shape[1] // key_pool.shape[1] <= 16 and query.shape[-1] <= 256 and native_ops_loaded())
+    """Whether decode tokens of ``query`` over these pools are attended by ``flexpage::paged_decode``
+    (``native_decode_for`` their device, dtypes and heads)."""
+    return native_decode_for(query.device, query.dtype, key_pool.dtype, query.shape[1], key_pool.shape[1],
+                             query.shape[-1])
+
+
+def native_decode_for(device: torch.device, dtype: torch.dtype, pool_dtype: torch.dtype, heads: int, kv_heads: int,
+                      head_dim: int) -> bool:
+    """Whether decode tokens are attended by ``flexpage::paged_decode`` (the C kernel called from
+    C++, eager and compiled steps alike): on a device whose policy gives the pools' dtype to the
+    kernel, for float32 or bfloat16 queries of at most 16 heads per KV head and 256 values a head,
+    where the C++ ops were built (``kernels.native_ops``)."""
+    return (pool_dtype in device_policy(device).decode_kernel_dtypes and dtype in (torch.float32, torch.bfloat16)
+            and heads % kv_heads == 0 and heads // kv_heads <= 16 and head_dim <= 256 and native_ops_loaded())
 
 
 @torch.compiler.assume_constant_result

@@ -550,17 +550,20 @@ class StaticDecodeMask(PackedBlockMask):
 
     @classmethod
     def over(cls, page_table: PageTable, plan: PackedPlan, variants: set[tuple[int | None, float | None]],
-             group: int) -> "StaticDecodeMask":
-        """The mask of the static ``plan``, with the decode region of each ``(window, cap)`` built."""
+             group: int, flex: bool = True) -> "StaticDecodeMask":
+        """The mask of the static ``plan``, with the decode region of each ``(window, cap)`` built
+        for FlexAttention where ``flex`` (a step whose attention reads the page table itself,
+        ``attention.native_decode``, needs none, and its steps then rewrite none)."""
         mask = cls.for_step(page_table, plan)
         mask.group, mask.rows = group, ()
-        mask._variants[("decode_rows",)] = DecodeRows(plan.tok_rows, plan.tok_pos.clamp_min(0), plan.tok_pos + 1)
         if plan.window_plan is not None:
             mask.window_mask = cls.over(page_table, plan.window_plan, {v for v in variants if mask.for_window(v[0])
-                                                                       is not mask}, group)
-        for window, cap in variants:
-            if mask.for_window(window) is mask:
-                mask.decode_region(window, cap, group)
+                                                                       is not mask}, group, flex)
+        if flex:
+            mask._variants[("decode_rows",)] = DecodeRows(plan.tok_rows, plan.tok_pos.clamp_min(0), plan.tok_pos + 1)
+            for window, cap in variants:
+                if mask.for_window(window) is mask:
+                    mask.decode_region(window, cap, group)
         _STATIC[plan.tok_pos.data_ptr()] = mask
         return mask
 
@@ -576,8 +579,9 @@ class StaticDecodeMask(PackedBlockMask):
     def tensors(self) -> list[Tensor]:
         """Every tensor of the mask that ``refresh`` rewrites: the decode rows' and each variant's
         block metadata (the step reads them where they are: their addresses never change)."""
-        rows = self._variants[("decode_rows",)]
-        held = [rows.q_start, rows.kv_lens, *(() if self.window_mask is None else self.window_mask.tensors())]
+        rows = self._variants.get(("decode_rows",))
+        held = [*(() if rows is None else (rows.q_start, rows.kv_lens)),
+                *(() if self.window_mask is None else self.window_mask.tensors())]
         for key, value in self._variants.items():
             if key[0] == "decode":
                 block_mask = value[0]
@@ -593,7 +597,9 @@ class StaticDecodeMask(PackedBlockMask):
             self.window_mask.refresh([self.page_table.window_row(row) for row in rows])
         for key in [key for key in self._variants if key[0] in ("decode_kv", "decode_runs", "read_slots")]:  # per step
             del self._variants[key]
-        rows = self._variants[("decode_rows",)]
+        rows = self._variants.get(("decode_rows",))
+        if rows is None:  # no FlexAttention metadata (``over``'s ``flex``)
+            return
         torch.clamp(self.plan.tok_pos, min=0, out=rows.q_start)  # padding rows (position -1) see nothing
         torch.add(self.plan.tok_pos, 1, out=rows.kv_lens)
         for key, value in self._variants.items():

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from .attention import head_group
+from .attention import head_group, native_decode_for
 from .cache import PagedKVCache
 from .compile import compile_static
 from .host import host_tensor
@@ -56,11 +56,12 @@ class StaticDecode:
     key: tuple  # the bucket's graph's key (``StaticCompiled.keyed``)
 
     @classmethod
-    def build(cls, page_table: PageTable, decode_len: int, variants: Variants, group: int,
-              key: tuple) -> "StaticDecode":
+    def build(cls, page_table: PageTable, decode_len: int, variants: Variants, group: int, key: tuple,
+              flex: bool = True) -> "StaticDecode":
+        """The bucket's tensors; ``flex``: its mask holds FlexAttention's metadata (``StaticDecodeMask.over``)."""
         plan = page_table.static_plan(decode_len)
         input_ids = torch.zeros(1, decode_len, dtype=torch.int64, device=page_table.device)
-        return cls(input_ids, plan, StaticDecodeMask.over(page_table, plan, variants, group), key)
+        return cls(input_ids, plan, StaticDecodeMask.over(page_table, plan, variants, group, flex), key)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor a step writes in place and the compiled forward reads."""
@@ -111,6 +112,9 @@ class StaticSteps:
         self.key = _model_key(model, cache) if self.buckets else None
         # a static step's attention runs eagerly inside it (``static_decode_attention``): grouped heads too
         self.group = head_group(cache.page_table.device, model.config.num_attention_heads, cache.num_kv_heads)
+        # or reads the page table itself (``paged_decode``): then its masks need no FlexAttention metadata
+        self.native = native_decode_for(cache.page_table.device, model.dtype, cache.layers[0].keys.dtype,
+                                        model.config.num_attention_heads, cache.num_kv_heads, cache.head_dim)
         self.variants: Variants = set()
         self.static: dict[int, StaticDecode] = {}  # each bucket's persistent step inputs
         self.steps = 0  # compiled steps run
@@ -163,7 +167,7 @@ class StaticSteps:
             kernels = self.linears.traced_kernels(decode_len) if self.linears is not None else ()
             key = (self.key, decode_len, self.group, tuple(sorted(self.variants, key=repr)), kernels, native_ops())
             static = self.static[decode_len] = StaticDecode.build(self.cache.page_table, decode_len, self.variants,
-                                                                  self.group, key)
+                                                                  self.group, key, flex=not self.native)
         self.cache.begin_packed_step(rows, [], decode_len, 0, 1, pad_decode=True, into=static.plan, reserved=True)
         static.input_ids.view(-1).copy_(host_tensor(ids + [0] * (decode_len - len(ids)), static.input_ids.device))
         static.mask.refresh(rows)
