@@ -26,7 +26,6 @@ from .attention import head_group, native_decode_for
 from .cache import PagedKVCache
 from .compile import compile_static
 from .host import host_tensor
-from .kernels import native_ops
 from .linear import FewRowLinears
 from .masks import PackedBlockMask, StaticDecodeMask
 from .pages import PackedPlan, PageTable
@@ -162,10 +161,10 @@ class StaticSteps:
         static = self.static.get(decode_len)
         if static is None:
             # the bucket's graph: besides the model's key it specialises on the bucket, the variants, the
-            # linear kernels it bakes in (measured before it was built) and whether it calls the C++ ops,
+            # linear kernels it bakes in (measured before it was built) and whether its attention is the C++ op,
             # so its key is taken once
             kernels = self.linears.traced_kernels(decode_len) if self.linears is not None else ()
-            key = (self.key, decode_len, self.group, tuple(sorted(self.variants, key=repr)), kernels, native_ops())
+            key = (self.key, decode_len, self.group, tuple(sorted(self.variants, key=repr)), kernels, self.native)
             static = self.static[decode_len] = StaticDecode.build(self.cache.page_table, decode_len, self.variants,
                                                                   self.group, key, flex=not self.native)
         self.cache.begin_packed_step(rows, [], decode_len, 0, 1, pad_decode=True, into=static.plan, reserved=True)
