@@ -1,7 +1,7 @@
 // The CPU kernels of flexpage's native ops in C++, behind torch's dispatcher, so a compiled step
 // calls them without entering Python: flexpage::row_linear (row_linear.c's few-row product, once
 // per linear layer per step) and flexpage::paged_decode (decode_attention.c over a step's pages,
-// once per layer). The ops' schemas and shape functions are defined in kernels.py.
+// once per layer, eager or compiled). The ops' schemas and shape functions are defined in kernels.py.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -103,7 +103,7 @@ void scatter_tokens(const float *rows, const std::vector<int64_t> &fed, int64_t 
         }
 }
 
-// A static decode step's attention: the packed query [1, Hq, n, D] (float32 or bfloat16), token t
+// Decode tokens' attention (a packed step's decode region): the query [1, Hq, n, D] (float32 or bfloat16), token t
 // of page-table row tok_rows[t] at position tok_pos[t] (< 0: padding, whose output is zeros)
 // attending its row's keys at positions max(0, pos - window + 1)..pos (window <= 0: all), found
 // through ``table`` ([rows, pages] int32 page ids) in pools [1, Hkv, slots, D] (quantised: D + 2)
@@ -118,7 +118,8 @@ at::Tensor paged_decode(const at::Tensor &query, const at::Tensor &key_pool, con
     const int64_t kv_heads = key_pool.size(1), slots = key_pool.size(2);
     const int format = format_of(key_pool.scalar_type());
     TORCH_CHECK(format >= 0 && key_pool.scalar_type() == value_pool.scalar_type() &&
-                    key_pool.sizes() == value_pool.sizes() && key_pool.dim() == 4 && key_pool.is_contiguous() &&
+                    key_pool.sizes() == value_pool.sizes() && key_pool.dim() == 4 && key_pool.size(0) == 1 &&
+                    key_pool.is_contiguous() &&
                     value_pool.is_contiguous() && key_pool.size(3) == (format < 2 ? dim + 2 : dim),
                 "flexpage::paged_decode: contiguous pools [1, kv_heads, slots, dim] of one dtype it reads");
     TORCH_CHECK(heads % kv_heads == 0, "flexpage::paged_decode: query heads a multiple of the KV heads");
