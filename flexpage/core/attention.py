@@ -251,8 +251,10 @@ def packed_attention(
     rows (``[n, Hq, 1, D]``, each row listing its own pages, as a ``generate()`` decode step,
     padded here to the plan's ``decode_len`` rows), the prefill chunks in blocks of
     ``chunk_block`` tokens.
-    Where SDPA over a sequence's pages is the faster kernel (``sdpa_over_pages``), a lone
-    decode token, and each prefill chunk in a call of its own, are attended that way instead.
+    Where the C decode kernel reads the pools from C++ (``native_decode``), every decode token is
+    attended by it (``flexpage::paged_decode``, its keys found through the page table); else, where
+    SDPA over a sequence's pages is the faster kernel (``sdpa_over_pages``), a lone decode token is
+    attended that way. Where SDPA is, each prefill chunk is too, in a call of its own.
     ``window`` and ``cap`` select the layer's variant (sliding window, logit soft-cap; a window the
     page table keeps window rows for reads them, ``PackedBlockMask.for_window``).
     Quantised pools (``flexpage.core.quant``) are dequantised where they are read: in the SDPA
