@@ -234,19 +234,24 @@ def test_a_compiled_forward_takes_the_traceable_kernel_measured_fastest(fresh_ch
     assert len(linear.ranking) == (6 if measured else 0) and not linear.trials
 
 
-def test_a_compiled_forward_reads_the_packed_copies_through_one_opaque_op(fresh_choices):
+@pytest.mark.parametrize("fastest", ["onednn_packed", "transposed"])
+def test_a_compiled_forward_of_packed_layers_takes_the_kernel_measured_for_them(fresh_choices, fastest):
     """Where oneDNN on a packed copy measured fastest, a compiled forward calls it through the
     opaque op ``flexpage::packed_linear``, which finds the copy by the weight it is given: the
-    graph's products equal F.linear's, and a weight changed in place is re-packed."""
+    graph's products equal F.linear's, and a weight changed in place is re-packed. Where another
+    kernel measured fastest for the packed layers, the graph takes that one (not F.linear for want
+    of a ranking of unpacked layers)."""
     from torch._inductor.utils import run_and_get_code
 
     model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.Linear(24, 24, bias=False))
     linears = FewRowLinears(model, lambda kwargs: True)
     linears.pack(4)
-    for layer in model:  # decided: the packed copy first at 2 rows
-        others = tuple(name for name in linear.candidates(packed=True) if name != "onednn_packed")
-        linear.ranking[linear.row_key(2, layer.weight, layer.bias, True)] = ("onednn_packed", *others)
-    assert all(linears.traced_kernels(2)[i] == "onednn_packed" for i in range(2))
+    for layer in model:  # decided at 2 rows, for the packed layers only
+        others = tuple(name for name in linear.candidates(packed=True) if name != fastest)
+        linear.ranking[linear.row_key(2, layer.weight, layer.bias, True)] = (fastest, *others)
+    assert linears.traced_kernels(2) == (fastest, fastest)
+    traced = []
+    linear.KERNELS["transposed"] = lambda x, w, b: traced.append(x.shape) or transposed_linear(x, w, b)
     x = torch.randn(2, 16)
     compiled = torch.compile(model, fullgraph=True, dynamic=False)
 
@@ -257,7 +262,8 @@ def test_a_compiled_forward_reads_the_packed_copies_through_one_opaque_op(fresh_
 
     with torch.no_grad():
         out, code = run_and_get_code(compiled, x)
-        assert "packed_linear" in "\n".join(code)
+        assert ("packed_linear" in "\n".join(code)) == (fastest == "onednn_packed")
+        assert len(traced) == (2 if fastest == "transposed" else 0)
         torch.testing.assert_close(out.double(), reference(), rtol=1e-5, atol=1e-5)
         model[1].weight.mul_(2)  # in place: the copy is taken again on the next call
         torch.testing.assert_close(compiled(x).double(), reference(), rtol=1e-5, atol=1e-5)

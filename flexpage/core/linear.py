@@ -172,18 +172,32 @@ def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     this very call while that is undecided); otherwise ``F.linear``. ``packed`` is the weight's
     ``pack_weight`` copy, if it has one. A compiled forward takes the fastest traceable kernel
     measured beforehand, or ``F.linear`` if none was."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (not 1 <= rows <= MAX_ROWS or x.device.type != "cpu" or x.dtype != weight.dtype
-            or x.dtype not in DTYPES.values() or bias is not None and bias.dtype != x.dtype
-            or not weight.is_contiguous() or torch.is_grad_enabled()):
+    if not _chooses(x, weight, bias):
         return F.linear(x, weight, bias)
     if torch.compiler.is_compiling():  # nothing to time while tracing: the kernel measured beforehand
-        return KERNELS[traced_kernel(rows, weight, bias, packed is not None)](x, weight, bias)
-    key = row_key(rows, weight, bias, packed is not None)
+        return traced_linear(x, weight, bias, packed is not None)
+    key = row_key(x.numel() // x.shape[-1], weight, bias, packed is not None)
     order = ranking.get(key)
     if order is None:
         return _timed(key, x, weight, bias, packed)
     return _run(order[0], x, weight, bias, packed)
+
+
+def _chooses(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether ``fast_linear`` picks a kernel for this product (else it is ``F.linear``'s)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (1 <= rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype == weight.dtype
+            and x.dtype in DTYPES.values() and (bias is None or bias.dtype == x.dtype)
+            and weight.is_contiguous() and not torch.is_grad_enabled())
+
+
+def traced_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> torch.Tensor:
+    """The product a traced forward bakes in: the kernel ``traced_kernel`` names, the packed copy
+    (``packed``: the layer has one) read at run time through ``packed_linear``."""
+    name = traced_kernel(x.numel() // x.shape[-1], weight, bias, packed)
+    if name == "onednn_packed":
+        return packed_linear(x, weight, bias)
+    return KERNELS[name](x, weight, bias)
 
 
 def traced_kernel(rows: int, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> str:
@@ -372,11 +386,9 @@ class FewRowLinears:
     def _forward(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if not self.active:
             return F.linear(x, layer.weight, layer.bias)
-        if torch.compiler.is_compiling():  # the packed copy is read at run time, by the layer's number
-            if self.pack_rows and traced_kernel(x.numel() // x.shape[-1], layer.weight, layer.bias, True) == \
-                    "onednn_packed":
-                return packed_linear(x, layer.weight, layer.bias)
-            return fast_linear(x, layer.weight, layer.bias)
+        if torch.compiler.is_compiling() and _chooses(x, layer.weight, layer.bias):
+            # the kernel measured for this layer as it is, packed or not (its copy is not traced)
+            return traced_linear(x, layer.weight, layer.bias, self.pack_rows > 0 and layer.weight.dtype == torch.float32)
         return fast_linear(x, layer.weight, layer.bias, self.packed(layer))
 
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
