@@ -98,12 +98,13 @@ def test_a_proposer_right_or_wrong_changes_no_token(expected, alpha):
         assert stats.steps < sum(NEW_TOKENS) // 3
 
 
-@pytest.mark.parametrize("requests", [1, 2])
-def test_verification_steps_run_as_compiled_decode_steps(expected, requests):
+@pytest.mark.parametrize("requests, max_batch_size", [(1, 8), (2, 8), (1, 2)])
+def test_verification_steps_run_as_compiled_decode_steps(expected, requests, max_batch_size):
     """After the prompts' step, every step verifying drafts runs its bucket's compiled static step
-    (each fed token a decode row; one sequence's attended by SDPA over its pages, two sequences'
-    by FlexAttention), with stock's tokens."""
-    engine = make_engine(speculative=oracle_of(expected, True), num_speculative_tokens=3)
+    (each fed token a decode row), with stock's tokens; a lone sequence's verification too where
+    its rows outnumber the batch's sequences (4 rows, at most 2 sequences)."""
+    engine = make_engine(speculative=oracle_of(expected, True), num_speculative_tokens=3,
+                         max_batch_size=max_batch_size)
     prompts, counts = looping_prompts()[2 : 2 + requests], list(NEW_TOKENS[2 : 2 + requests])
     assert engine.generate(prompts, max_new_tokens=counts) == expected[2 : 2 + requests]
     stats = engine.stats()

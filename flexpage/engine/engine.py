@@ -90,7 +90,8 @@ class Engine:
         self.cache, self.tokenizer = state.cache, tokenizer
         self.grammars = None if tokenizer is None else Grammars(tokenizer, self.model.config.vocab_size)
         self.runner = ModelRunner(self.model, self.cache, state.cache_argument, max_batch_size, max_tokens_per_step,
-                                  compile_decode, state.linears)
+                                  compile_decode, state.linears,
+                                  num_speculative_tokens if speculative is not None else 0)
         self.blocks = BlockManager(self.cache, prefix_caching)
         draft_options = dict(page_size=page_size, max_cached_tokens=max_cached_tokens, max_batch_size=max_batch_size,
                              max_tokens_per_step=max_tokens_per_step, max_seq_len=max_seq_len, warmup=warmup)

@@ -59,11 +59,12 @@ class ModelRunner:
     """Runs ``model`` (wrapped, with its pools in ``cache``) over scheduled batches of at most
     ``max_batch_size`` sequences and ``max_tokens_per_step`` tokens, and picks their next tokens.
     ``linears``: the model's ``FewRowLinears`` (``wrap``'s), whose kernel choices a compiled step
-    bakes in: they are measured before anything is compiled."""
+    bakes in: they are measured before anything is compiled. ``speculative_tokens``: the drafts a
+    sequence may verify in a step (0: none)."""
 
     def __init__(self, model: PreTrainedModel, cache: PagedKVCache, cache_argument: str, max_batch_size: int,
                  max_tokens_per_step: int, compile_decode: bool | None = None,
-                 linears: FewRowLinears | None = None) -> None:
+                 linears: FewRowLinears | None = None, speculative_tokens: int = 0) -> None:
         if max_tokens_per_step < max_batch_size + CHUNK_BLOCK:
             raise ValueError(
                 f"max_tokens_per_step ({max_tokens_per_step}) must leave room for a decode token per sequence "
@@ -75,8 +76,11 @@ class ModelRunner:
         self.shape = StepShape.of(model, self.device)  # the decode and chunk regions' buckets
         self.sampler = Sampler()  # keeps its scratch rows from step to step
         # decode-only steps as static steps, one compiled graph per decode bucket (``StaticSteps``): every
-        # bucket, none, or (None) the device policy's choice; not under tensor parallelism or device maps
-        buckets = {self.shape.decode_len(n) for n in range(1, max_batch_size + 1)}
+        # bucket, none, or (None) the device policy's choice; not under tensor parallelism or device maps.
+        # The buckets hold a decode token per sequence, and a lone sequence's verification of
+        # ``speculative_tokens`` drafts (a row per fed token) where that is more
+        rows = min(max(max_batch_size, 1 + speculative_tokens), max_tokens_per_step)
+        buckets = {self.shape.decode_len(n) for n in range(1, rows + 1)}
         self.compile_decode = compile_decode
         default = compile_decode is None and compiles_by_default(model, self.device)
         self.graphs = StaticSteps(model, cache, cache_argument, linears,
