@@ -98,17 +98,22 @@ def test_a_proposer_right_or_wrong_changes_no_token(expected, alpha):
         assert stats.steps < sum(NEW_TOKENS) // 3
 
 
-@pytest.mark.parametrize("requests, max_batch_size", [(1, 8), (2, 8), (1, 2)])
-def test_verification_steps_run_as_compiled_decode_steps(expected, requests, max_batch_size):
+@pytest.mark.parametrize("requests, max_batch_size, drafts", [(1, 8, 3), (2, 8, 3), (1, 2, 4)])
+def test_verification_steps_run_as_compiled_decode_steps(expected, requests, max_batch_size, drafts):
     """After the prompts' step, every step verifying drafts runs its bucket's compiled static step
     (each fed token a decode row), with stock's tokens; a lone sequence's verification too where
-    its rows outnumber the batch's sequences (4 rows, at most 2 sequences)."""
-    engine = make_engine(speculative=oracle_of(expected, True), num_speculative_tokens=3,
+    its rows outnumber the batch's sequences (5 rows, at most 2 sequences), in a bucket of exactly
+    its rows (5, not 8: no padding rows for the linear layers to multiply)."""
+    engine = make_engine(speculative=oracle_of(expected, True), num_speculative_tokens=drafts,
                          max_batch_size=max_batch_size)
+    buckets = []
+    step = engine.runner.graphs.run
+    engine.runner.graphs.run = lambda rows, ids, decode_len: buckets.append(decode_len) or step(rows, ids, decode_len)
     prompts, counts = looping_prompts()[2 : 2 + requests], list(NEW_TOKENS[2 : 2 + requests])
     assert engine.generate(prompts, max_new_tokens=counts) == expected[2 : 2 + requests]
     stats = engine.stats()
     assert stats.verifications >= stats.steps - 1 > 1 and stats.compiled_steps == stats.steps - 1
+    assert buckets[0] == requests * (1 + drafts) and set(buckets) <= {1, 2, 4, requests * (1 + drafts)}
 
 
 def test_sampled_speculation_draws_what_the_plain_engine_draws():

@@ -24,13 +24,17 @@ MIN_CHUNK_REGION = 64  # the smallest chunk-region bucket
 class StepShape:
     """Step shapes for a model on a device. ``sdpa``: a lone decode token, and each prefill chunk,
     is attended by SDPA over its sequence's pages (``sdpa_over_pages``), so those regions compile
-    nothing: a lone row is its own decode bucket and chunks are neither aligned nor bucketed."""
+    nothing: a lone row is its own decode bucket and chunks are neither aligned nor bucketed.
+    ``verify_rows``: a bucket of exactly this many rows besides the powers of two (a lone sequence
+    verifying all its drafts, ``1 + num_speculative_tokens``: no padding rows for the linear layers
+    to multiply in the commonest verification)."""
 
     sdpa: bool
+    verify_rows: int = 0
 
     @classmethod
-    def of(cls, model: PreTrainedModel, device: torch.device) -> "StepShape":
-        return cls(sdpa_over_pages(device, getattr(model.config, "attn_logit_softcapping", None), 1))
+    def of(cls, model: PreTrainedModel, device: torch.device, verify_rows: int = 0) -> "StepShape":
+        return cls(sdpa_over_pages(device, getattr(model.config, "attn_logit_softcapping", None), 1), verify_rows)
 
     @property
     def chunk_block(self) -> int:
@@ -39,9 +43,9 @@ class StepShape:
 
     def decode_len(self, count: int) -> int:
         """The decode attention call's rows for ``count`` decode tokens: a power of two >= 2, so graphs
-        are few, or 1 for a lone token attended by SDPA. The rows past the real tokens are empty: they
-        cost attention little and the rest of the forward nothing."""
-        return count if count == 0 or count == 1 and self.sdpa else pow2_bucket(count, 2)
+        are few, or 1 for a lone token attended by SDPA, or ``verify_rows``. The rows past the real
+        tokens are empty: attention skips them, the linear layers multiply them."""
+        return count if count == 0 or count == 1 and self.sdpa or count == self.verify_rows else pow2_bucket(count, 2)
 
     def chunk_len(self, chunk_tokens: Iterable[int]) -> int:
         """The chunk region's positions for chunks of these many tokens, each aligned to ``chunk_block``:
