@@ -47,11 +47,25 @@ static inline float bf16_at(const uint8_t *p) {
     return value;
 }
 
-/* Value ``i`` of a stored row (``lut``: float8 bytes' values), and the row's scale. */
-static inline float value_at(const uint8_t *row, int64_t i, int format, const float *lut) {
+/* The value of a float8 (e4m3) byte: (8 + mantissa) * 2^(exponent - 10), denormals mantissa * 2^-9
+ * (the byte of NaN, never stored, reads as 480, as the vector paths read it). */
+static inline float float8_value(uint8_t byte) {
+    const uint32_t exponent = (byte >> 3) & 15, mantissa = byte & 7;
+    float value;
+    if (exponent) {
+        const uint32_t bits = (exponent + 120) << 23 | mantissa << 20;
+        memcpy(&value, &bits, 4);
+    } else {
+        value = (float)mantissa * (1.0f / 512);
+    }
+    return byte & 0x80 ? -value : value;
+}
+
+/* Value ``i`` of a stored row, and the row's scale. */
+static inline float value_at(const uint8_t *row, int64_t i, int format) {
     switch (format) {
     case INT8: return (float)(int8_t)row[i];
-    case FLOAT8: return lut[row[i]];
+    case FLOAT8: return float8_value(row[i]);
     case FLOAT32: { float value; memcpy(&value, row + 4 * i, 4); return value; }
     default: return bf16_at(row + 2 * i);
     }
@@ -91,14 +105,18 @@ static inline __m128i float8_halves8(__m128i bytes) {
 #endif
 
 /* Values ``i`` to ``i + 7`` of a stored row as floats. */
-static inline __m256 load8(const uint8_t *row, int64_t i, int format, const float *lut) {
+static inline __m256 load8(const uint8_t *row, int64_t i, int format) {
     switch (format) {
     case INT8: return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + i))));
 #ifdef __F16C__
     case FLOAT8: return _mm256_mul_ps(_mm256_cvtph_ps(float8_halves8(_mm_cvtepu8_epi16(
                      _mm_loadl_epi64((const __m128i *)(row + i))))), _mm256_set1_ps(256.0f));
 #else
-    case FLOAT8: return _mm256_i32gather_ps(lut, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + i))), 4);
+    case FLOAT8: {
+        float values[8];
+        for (int j = 0; j < 8; j++) values[j] = float8_value(row[i + j]);
+        return _mm256_loadu_ps(values);
+    }
 #endif
     case FLOAT32: return _mm256_loadu_ps((const float *)(row + 4 * i));
     default: return _mm256_castsi256_ps(_mm256_slli_epi32(
@@ -108,7 +126,7 @@ static inline __m256 load8(const uint8_t *row, int64_t i, int format, const floa
 
 #ifdef WIDE
 /* Values ``i`` to ``i + 15`` of a stored row as floats. */
-static inline __m512 load16(const uint8_t *row, int64_t i, int format, const float *lut) {
+static inline __m512 load16(const uint8_t *row, int64_t i, int format) {
     switch (format) {
     case INT8: return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + i))));
     case FLOAT8: {  /* as ``float8_halves8``, sixteen at a time */
@@ -181,23 +199,23 @@ static inline float sum8(__m256 v) {
 
 /* ``n`` rows of ``dim`` stored values at ``slots`` as floats, and their scales. */
 static inline void convert_rows(const uint8_t *pool, const int64_t *slots, int64_t n, int64_t dim, int format,
-                                const float *lut, float *out, float *scales) {
+                                float *out, float *scales) {
     for (int64_t j = 0; j < n; j++) {
         const uint8_t *src = pool + slots[j] * row_bytes(dim, format);
         scales[j] = scale_of(src, dim, format);
 #ifdef WIDE
         if (dim % 16 == 0) {
-            for (int64_t i = 0; i < dim; i += 16) _mm512_storeu_ps(out + j * dim + i, load16(src, i, format, lut));
+            for (int64_t i = 0; i < dim; i += 16) _mm512_storeu_ps(out + j * dim + i, load16(src, i, format));
             continue;
         }
 #endif
 #ifdef VECTORS
         if (dim % 8 == 0) {
-            for (int64_t i = 0; i < dim; i += 8) _mm256_storeu_ps(out + j * dim + i, load8(src, i, format, lut));
+            for (int64_t i = 0; i < dim; i += 8) _mm256_storeu_ps(out + j * dim + i, load8(src, i, format));
             continue;
         }
 #endif
-        for (int64_t i = 0; i < dim; i++) out[j * dim + i] = value_at(src, i, format, lut);
+        for (int64_t i = 0; i < dim; i++) out[j * dim + i] = value_at(src, i, format);
     }
 }
 
@@ -227,7 +245,7 @@ static inline __attribute__((always_inline)) void hold(struct held *held, const 
  * products (16 values a vector where the head dimension allows, halved to 8 lanes; bfloat16
  * heads and keys 32 values an instruction). */
 static inline __attribute__((always_inline)) void key_dots(const struct held *held, const uint8_t *key, int64_t dim,
-                                                           int format, const float *lut, __m256 *sums) {
+                                                           int format, __m256 *sums) {
 #ifdef BF16_DOTS
     if (format == BFLOAT16 && held->bf16) {
         __m512 wide[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -244,7 +262,7 @@ static inline __attribute__((always_inline)) void key_dots(const struct held *he
     if (dim % 16 == 0) {
         __m512 wide[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
         for (int64_t i = 0; i < dim; i += 16) {
-            const __m512 k = load16(key, i, format, lut);
+            const __m512 k = load16(key, i, format);
             for (int64_t g = 0; g < 4; g++) wide[g] = _mm512_fmadd_ps(held->wide[g][i / 16], k, wide[g]);
         }
         for (int64_t g = 0; g < 4; g++) sums[g] = halves(wide[g]);
@@ -253,7 +271,7 @@ static inline __attribute__((always_inline)) void key_dots(const struct held *he
 #endif
     for (int64_t g = 0; g < 4; g++) sums[g] = _mm256_setzero_ps();
     for (int64_t i = 0; i < dim; i += 8) {
-        const __m256 k = load8(key, i, format, lut);
+        const __m256 k = load8(key, i, format);
         for (int64_t g = 0; g < 4; g++) sums[g] = _mm256_fmadd_ps(_mm256_loadu_ps(held->q + g * dim + i), k, sums[g]);
     }
 }
@@ -262,7 +280,7 @@ static inline __attribute__((always_inline)) void key_dots(const struct held *he
 /* The block's ``n`` value rows (``rows``) and their scales: float32 pages, and bfloat16 ones where
  * ``in_place``, read in place; others converted to floats in ``converted``. */
 static inline void value_rows(const uint8_t *pool, const int64_t *slots, int64_t n, int64_t dim, int format,
-                              const float *lut, float *converted, const void **rows, float *scales, int in_place) {
+                              float *converted, const void **rows, float *scales, int in_place) {
     if (format == FLOAT32 || in_place) {
         for (int64_t j = 0; j < n; j++) {
             rows[j] = pool + slots[j] * row_bytes(dim, format);
@@ -270,14 +288,14 @@ static inline void value_rows(const uint8_t *pool, const int64_t *slots, int64_t
         }
         return;
     }
-    convert_rows(pool, slots, n, dim, format, lut, converted, scales);
+    convert_rows(pool, slots, n, dim, format, converted, scales);
     for (int64_t j = 0; j < n; j++) rows[j] = converted + j * dim;
 }
 
 /* scores[g][j] = q[g] . key j for the block's ``n`` keys at ``slots``, and each key's scale;
  * the vector path converts each key into registers and uses it for every query head at once. */
 static inline void block_scores(const struct heads *heads, const uint8_t *pool, const uint8_t *values, const int64_t *slots,
-                                int64_t n, int64_t dim, int64_t group, int format, const float *lut,
+                                int64_t n, int64_t dim, int64_t group, int format,
                                 float *converted,
                                 float (*scores)[BLOCK], float *scales) {
 #ifdef VECTORS
@@ -293,7 +311,7 @@ static inline void block_scores(const struct heads *heads, const uint8_t *pool, 
                     prefetch_row(key + PREFETCH * bytes, bytes);  /* the run's later keys */
                     prefetch_row(values + (slot + PREFETCH) * bytes, bytes);
                     __m256 sums[4];
-                    key_dots(&held, key, dim, format, lut, sums);
+                    key_dots(&held, key, dim, format, sums);
                     for (int64_t g = 0; g < 4; g++) partial[g][j] = sums[g];
                     scales[j0 + j] = scale_of(key, dim, format);
                 }
@@ -303,7 +321,7 @@ static inline void block_scores(const struct heads *heads, const uint8_t *pool, 
         return;
     }
 #endif
-    convert_rows(pool, slots, n, dim, format, lut, converted, scales);
+    convert_rows(pool, slots, n, dim, format, converted, scales);
     for (int64_t g = 0; g < group; g++)
         for (int64_t j = 0; j < n; j++) {
             float dot = 0.0f;
@@ -478,7 +496,7 @@ static inline int64_t slot_of(const int64_t *starts, const int64_t *counts, int6
  * for each of the ``group`` query heads ``q`` (scaled by the softmax scale already). */
 static inline void attend_part(const float *q, const uint8_t *keys, const uint8_t *values, int64_t dim,
                                int64_t group, const int64_t *starts, const int64_t *counts, int64_t runs,
-                               int64_t lo, int64_t hi, int format, const float *lut, float scale, float cap,
+                               int64_t lo, int64_t hi, int format, float scale, float cap,
                                int bf16_query, float *m, float *l, float *acc) {
     float converted[BLOCK * MAX_DIM];  /* rows of ``dim`` floats, packed: no cache-set conflicts */
     float scores[MAX_GROUP][BLOCK];
@@ -502,9 +520,9 @@ static inline void attend_part(const float *q, const uint8_t *keys, const uint8_
     for (int64_t first = lo; first < hi; first += BLOCK) {
         const int64_t n = hi - first < BLOCK ? hi - first : BLOCK;
         for (int64_t j = 0; j < n; j++) slots[j] = slot_of(starts, counts, runs, first + j, &run, &before);
-        block_scores(&heads, keys, values, slots, n, dim, group, format, lut, converted, scores, key_scale);
+        block_scores(&heads, keys, values, slots, n, dim, group, format, converted, scores, key_scale);
         for (int64_t j = 0; j < n; j++) key_scale[j] *= scale;
-        value_rows(values, slots, n, dim, format, lut, converted, rows, value_scale, heads.bf16 != NULL);
+        value_rows(values, slots, n, dim, format, converted, rows, value_scale, heads.bf16 != NULL);
         for (int64_t g = 0; g < group; g++) {
             const float shrink = block_softmax(scores[g], n, key_scale, value_scale, cap, m + g, l + g);
             for (int64_t i = 0; i < dim; i++) acc[g * dim + i] *= shrink;
@@ -525,8 +543,7 @@ static inline void attend_part(const float *q, const uint8_t *keys, const uint8_
 /* The decode tokens of ``rows`` sequences. query [rows, kv_heads, group, dim] float; pools
  * [kv_heads, pool_slots, row] contiguous, each row a token's values stored as ``format``
  * (quantised: then its bfloat16 scale); sequence ``r``'s keys lie in runs ``first_run[r]`` to
- * ``first_run[r + 1]``, run ``i`` holding ``counts[i]`` keys from slot ``starts[i]``; ``lut``: the
- * 256 float values of float8 bytes (FLOAT8 only); ``bf16_query``: nonzero where the query came
+ * ``first_run[r + 1]``, run ``i`` holding ``counts[i]`` keys from slot ``starts[i]``; ``bf16_query``: nonzero where the query came
  * in bfloat16 (its values exact in bfloat16, its output rounded to it), so that bfloat16 pages
  * take bfloat16 products: the query's and the probabilities' (rounded to bfloat16, as SDPA's
  * bfloat16 kernel rounds them); ``cap``: scores soft-capped, ``cap * tanh(score / cap)``, where it is
@@ -535,10 +552,8 @@ static inline void attend_part(const float *q, const uint8_t *keys, const uint8_
 int flexpage_decode_attention(const float *query, const uint8_t *key_pool, const uint8_t *value_pool,
                               int64_t rows, int64_t kv_heads, int64_t pool_slots, int64_t dim, int64_t group,
                               const int64_t *first_run, const int64_t *starts, const int64_t *counts,
-                              float scale, float cap, int64_t part_keys, int format, const float *lut,
-                              int bf16_query, float *out) {
-    if (group > MAX_GROUP || dim > MAX_DIM || rows <= 0 || part_keys <= 0 || format < INT8 || format > BFLOAT16
-        || (format == FLOAT8 && !lut))
+                              float scale, float cap, int64_t part_keys, int format, int bf16_query, float *out) {
+    if (group > MAX_GROUP || dim > MAX_DIM || rows <= 0 || part_keys <= 0 || format < INT8 || format > BFLOAT16)
         return 1;
     /* work items: (sequence, KV head, part of its keys), sequence by sequence */
     int64_t items = 0;
@@ -581,7 +596,7 @@ int flexpage_decode_attention(const float *query, const uint8_t *key_pool, const
         const int64_t runs = first_run[r + 1] - first_run[r];
 #define ATTEND(DIM, FORMAT) attend_part(q + (r * kv_heads + head) * padded * dim, key_pool + head * head_bytes,    \
                                         value_pool + head * head_bytes, DIM, group, run_starts, run_counts, runs, \
-                                        lo, hi, FORMAT, lut, scale, cap, bf16_query, m + item * group,           \
+                                        lo, hi, FORMAT, scale, cap, bf16_query, m + item * group,           \
                                         l + item * group, acc + item * group * dim)
 #define FORMATS(DIM) switch (format) {                                                    \
         case INT8: ATTEND(DIM, INT8); break;                                              \

@@ -50,7 +50,7 @@ _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 ENTRY_POINTS: dict[str, dict[str, Signature]] = {
     "decode_attention": {"flexpage_decode_attention": (
         [_POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE, _SIZE, _SIZE, _POINTER, _POINTER, _POINTER,
-         ctypes.c_float, ctypes.c_float, _SIZE, ctypes.c_int, _POINTER, ctypes.c_int, _POINTER], ctypes.c_int)},
+         ctypes.c_float, ctypes.c_float, _SIZE, ctypes.c_int, ctypes.c_int, _POINTER], ctypes.c_int)},
     "row_linear": {"flexpage_f32_linear": ([_POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE, _POINTER], ctypes.c_int),
                    "flexpage_bf16_linear": ([_POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE, _POINTER], ctypes.c_int),
                    "flexpage_row_linear_formats": ([], ctypes.c_int)},
@@ -66,7 +66,6 @@ PART_KEYS = 256  # fewest keys a thread's part takes: a part's merge costs a few
 _lock = threading.Lock()
 # per (library, compiler): the loaded library, or None where it failed
 _libraries: dict[tuple[str, str | None], ctypes.CDLL | None] = {}
-_fp8_values: dict[torch.device, Tensor] = {}
 
 
 def compiler() -> str | None:
@@ -248,15 +247,6 @@ def _load_native_ops() -> bool:
     return True
 
 
-def _fp8_table(device: torch.device) -> Tensor:
-    """The float value of each of the 256 float8_e4m3fn bytes (the kernel converts by lookup)."""
-    table = _fp8_values.get(device)
-    if table is None:
-        table = torch.arange(256, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn).float()
-        _fp8_values[device] = table
-    return table
-
-
 def decode_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, first_run: Tensor, runs: Tensor,
                      scale: float | None = None, cap: float | None = None) -> Tensor | None:
     """The attention of ``R`` decode tokens (``query`` ``[R, Hq, 1, D]``, CPU), each of its own
@@ -283,12 +273,11 @@ def decode_attention(query: Tensor, key_pool: Tensor, value_pool: Tensor, first_
     out = torch.empty_like(folded)
     # enough parts for every thread to take a few (the KV heads alone may be fewer than threads)
     part_keys = max(PART_KEYS, cdiv(int(runs[1].sum()) * kv_heads, 4 * torch.get_num_threads()))
-    table = _fp8_table(query.device) if key_pool.dtype == torch.float8_e4m3fn else None
     status = lib.flexpage_decode_attention(
         folded.data_ptr(), key_pool.data_ptr(), value_pool.data_ptr(), rows, kv_heads, key_pool.shape[2], dim,
         heads // kv_heads, first_run.data_ptr(), runs[0].data_ptr(), runs[1].data_ptr(),
         dim ** -0.5 if scale is None else scale, 0.0 if cap is None else cap, part_keys, FORMATS[key_pool.dtype],
-        None if table is None else table.data_ptr(), query.dtype == torch.bfloat16, out.data_ptr())
+        query.dtype == torch.bfloat16, out.data_ptr())
     if status:
         raise RuntimeError(f"flexpage_decode_attention failed with status {status}")
     return out.reshape(rows, heads, 1, dim).to(query.dtype)

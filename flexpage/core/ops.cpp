@@ -5,11 +5,9 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <array>
 #include <vector>
 
 extern "C" {
@@ -20,7 +18,7 @@ int flexpage_bf16_linear(const uint16_t *x, const uint16_t *weight, const uint16
 int flexpage_decode_attention(const float *query, const uint8_t *key_pool, const uint8_t *value_pool, int64_t rows,
                               int64_t kv_heads, int64_t pool_slots, int64_t dim, int64_t group,
                               const int64_t *first_run, const int64_t *starts, const int64_t *counts, float scale,
-                              float cap, int64_t part_keys, int format, const float *lut, int bf16_query, float *out);
+                              float cap, int64_t part_keys, int format, int bf16_query, float *out);
 }
 
 namespace {
@@ -65,17 +63,6 @@ int format_of(at::ScalarType dtype) {
     case at::kBFloat16: return 3;
     default: return -1;
     }
-}
-
-// The float value of each of the 256 float8_e4m3fn bytes (the kernel's scalar path looks them up).
-const float *float8_values() {
-    static const std::array<float, 256> values = [] {
-        std::array<float, 256> table{};
-        for (int byte = 0; byte < 256; byte++)
-            table[byte] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(byte), c10::Float8_e4m3fn::from_bits()));
-        return table;
-    }();
-    return values.data();
 }
 
 // Tokens ``fed`` of a query [1, heads, n, dim] (any strides) as float rows [fed, heads, dim].
@@ -172,7 +159,7 @@ at::Tensor paged_decode(const at::Tensor &query, const at::Tensor &key_pool, con
             folded.data(), static_cast<const uint8_t *>(key_pool.const_data_ptr()),
             static_cast<const uint8_t *>(value_pool.const_data_ptr()), count, kv_heads, slots, dim, heads / kv_heads,
             first_run.data(), starts.data(), counts.data(), static_cast<float>(scale),
-            cap > 0 ? static_cast<float>(cap) : 0.0f, part_keys, format, float8_values(), bf16, attended.data());
+            cap > 0 ? static_cast<float>(cap) : 0.0f, part_keys, format, bf16, attended.data());
         TORCH_CHECK(status != 2, "flexpage::paged_decode: out of memory");
         TORCH_CHECK(status == 0, "flexpage::paged_decode: shapes the kernel does not take (at most 16 query heads "
                                  "per KV head, a head dimension of at most 256)");
