@@ -543,8 +543,9 @@ static inline void attend_part(const float *q, const uint8_t *keys, const uint8_
 /* The decode tokens of ``rows`` sequences. query [rows, kv_heads, group, dim] float; pools
  * [kv_heads, pool_slots, row] contiguous, each row a token's values stored as ``format``
  * (quantised: then its bfloat16 scale); sequence ``r``'s keys lie in runs ``first_run[r]`` to
- * ``first_run[r + 1]``, run ``i`` holding ``counts[i]`` keys from slot ``starts[i]``; ``bf16_query``: nonzero where the query came
- * in bfloat16 (its values exact in bfloat16, its output rounded to it), so that bfloat16 pages
+ * ``first_run[r + 1]``, run ``i`` holding ``counts[i]`` keys from slot ``starts[i]``;
+ * ``bf16_query``: nonzero where the query came in bfloat16 (its values exact in bfloat16, its
+ * output rounded to it), so that bfloat16 pages
  * take bfloat16 products: the query's and the probabilities' (rounded to bfloat16, as SDPA's
  * bfloat16 kernel rounds them); ``cap``: scores soft-capped, ``cap * tanh(score / cap)``, where it is
  * positive; out [rows, kv_heads, group, dim].
@@ -596,7 +597,7 @@ int flexpage_decode_attention(const float *query, const uint8_t *key_pool, const
         const int64_t runs = first_run[r + 1] - first_run[r];
 #define ATTEND(DIM, FORMAT) attend_part(q + (r * kv_heads + head) * padded * dim, key_pool + head * head_bytes,    \
                                         value_pool + head * head_bytes, DIM, group, run_starts, run_counts, runs, \
-                                        lo, hi, FORMAT, scale, cap, bf16_query, m + item * group,           \
+                                        lo, hi, FORMAT, scale, cap, bf16_query, m + item * group,                 \
                                         l + item * group, acc + item * group * dim)
 #define FORMATS(DIM) switch (format) {                                                    \
         case INT8: ATTEND(DIM, INT8); break;                                              \
