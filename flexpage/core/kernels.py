@@ -115,8 +115,22 @@ def _built(name: str, inputs: list[bytes], build: Callable[[Path, Path], None]) 
     return path
 
 
-def _run(command: list[str]) -> None:
-    subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
+def _run(*commands: list[str]) -> None:
+    """Run ``commands`` side by side (compiles of separate sources); ``CalledProcessError`` for the
+    first that fails, with its output."""
+    running = [(command, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+               for command in commands]
+    failed = None
+    for command, process in running:
+        try:
+            out, err = process.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            out, err = process.communicate()
+        if process.returncode and failed is None:
+            failed = subprocess.CalledProcessError(process.returncode, command, out, err)
+    if failed is not None:
+        raise failed
 
 
 def library(name: str = "decode_attention") -> ctypes.CDLL | None:
@@ -222,22 +236,25 @@ def native_ops() -> bool:
 def _load_native_ops() -> bool:
     cc, cxx = compiler(), cxx_compiler()
     torch_dir = Path(torch.__file__).parent
-    cxx_flags = ["-O2", "-std=c++20", "-shared", "-fPIC", f"-I{torch_dir / 'include'}", f"-L{torch_dir / 'lib'}",
-                 f"-Wl,-rpath,{torch_dir / 'lib'}", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    cxx_flags = ["-O2", "-std=c++20", "-fPIC", f"-I{torch_dir / 'include'}",
+                 f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    link_flags = ["-shared", f"-L{torch_dir / 'lib'}", f"-Wl,-rpath,{torch_dir / 'lib'}", "-fopenmp", "-ltorch_cpu",
+                  "-lc10"]
     c_sources = [Path(__file__).with_name(f"{name}.c") for name in ENTRY_POINTS]
     cxx_source = Path(__file__).with_name("ops.cpp")
 
     def build(scratch: Path, built: Path) -> None:
-        objects = [str(scratch / f"{source.stem}.o") for source in c_sources]
-        for source, obj in zip(c_sources, objects):
-            _run([cc, *FLAGS, "-c", "-o", obj, str(source)])
-        _run([cxx, *cxx_flags, "-o", str(built), str(cxx_source), *objects, "-fopenmp", "-ltorch_cpu", "-lc10"])
+        # the sources compile side by side (the C++ one, against torch's headers, takes the longest), then link
+        objects = [str(scratch / f"{source.stem}.o") for source in (*c_sources, cxx_source)]
+        _run(*([cc, *FLAGS, "-c", "-o", obj, str(source)] for source, obj in zip(c_sources, objects)),
+             [cxx, *cxx_flags, "-c", "-o", objects[-1], str(cxx_source)])
+        _run([cxx, "-o", str(built), *objects, *link_flags])
 
     try:
         if cc is None or cxx is None:
             raise FileNotFoundError("no C and C++ compilers on the path (set $CC and $CXX)")
         inputs = [*(source.read_bytes() for source in (*c_sources, cxx_source)), cc.encode(), cxx.encode(),
-                  " ".join(FLAGS).encode(), " ".join(cxx_flags).encode(), torch.__version__.encode()]
+                  " ".join(FLAGS).encode(), " ".join(cxx_flags + link_flags).encode(), torch.__version__.encode()]
         torch.ops.load_library(str(_built("ops", inputs, build)))
     except (OSError, subprocess.SubprocessError, RuntimeError) as error:
         detail = getattr(error, "stderr", None) or error
