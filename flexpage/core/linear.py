@@ -388,7 +388,8 @@ class FewRowLinears:
             return F.linear(x, layer.weight, layer.bias)
         if torch.compiler.is_compiling() and _chooses(x, layer.weight, layer.bias):
             # the kernel measured for this layer as it is, packed or not (its copy is not traced)
-            return traced_linear(x, layer.weight, layer.bias, self.pack_rows > 0 and layer.weight.dtype == torch.float32)
+            packed = self.pack_rows > 0 and layer.weight.dtype == torch.float32
+            return traced_linear(x, layer.weight, layer.bias, packed)
         return fast_linear(x, layer.weight, layer.bias, self.packed(layer))
 
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
