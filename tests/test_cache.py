@@ -63,6 +63,34 @@ def test_windowed_layers_keep_their_window_in_window_rows_of_the_global_layers_p
     assert cache.stats().pages_used == 0 and cache.stats().live_tokens == 0  # both rows gave every page back
 
 
+def test_a_shared_window_page_given_back_in_the_step_that_copies_it_is_copied_intact():
+    """A fork (truncated to one token) shares its row's first window page; in one step the fork
+    writes into that page (so it gets a copy) while the row's window moves past it (so the row gives
+    it back): the page is free when the step is planned, and the copy, made before anything is
+    written, still holds its K/V."""
+    config = zoo.load_config("gemma2-tiny")  # layer 0 attends 32 positions back, layer 1 every position
+    heads, dim = config.num_key_value_heads, config.head_dim
+    cache = PagedKVCache(config, page_size=16, num_pages=16, max_batch_size=2)
+    row = cache.add_sequence()
+    cache.begin_packed_step([], [(row, 47)], 0, 47, 1)
+    prompt = [torch.randn(1, heads, 47, dim) for _ in range(2)]
+    for layer in (0, 1):
+        cache.update(prompt[layer], prompt[layer], layer)
+    fork = cache.fork(row)
+    pt = cache.page_table
+    pt.truncate(fork, 1)
+    shared = pt.seq_pages[pt.window_row(fork)][0]
+    assert shared == pt.seq_pages[pt.window_row(row)][0] and pt.ref_counts[shared] == 2
+    cache.begin_packed_step([fork, row], [], 2, 0, 1)  # the row's next query (47) sees from position 16 on
+    assert pt.ref_counts[shared] == 0 and pt.first_held[pt.window_row(row)] == 1  # given back, then free
+    step = [torch.randn(1, heads, 2, dim) for _ in range(2)]
+    for layer in (0, 1):
+        cache.update(step[layer], step[layer], layer)
+    for layer in (0, 1):  # the fork: the prompt's first token, then its own
+        want = torch.cat([prompt[layer][0, :, :1], step[layer][0, :, :1]], 1)
+        torch.testing.assert_close(cache.gather(layer, fork)[0], want, rtol=0, atol=0)
+
+
 def test_written_tokens_read_back_through_pages():
     cache = make_cache(16, 12, 2, D)
     a, b = cache.add_sequence(), cache.add_sequence()

@@ -102,9 +102,13 @@ class PageTableMachine(RuleBasedStateMachine):
         except OutOfPagesError:
             assert_same(before, snapshot(self.pt))  # all or nothing
             return
-        for src, dst in copies:
-            # the source stays with its other owners, or (registered, truncated into) in the prefix cache
-            assert (self.pt.ref_counts[src] >= 1 or src in self.pt.cached_pages) and self.pt.ref_counts[dst] == 1
+        held_before, cached_before = before[3], before[1]
+        for i, (src, dst) in enumerate(copies):
+            # the source held live K/V when the step began (a row's, or the prefix cache's) and no copy
+            # before it wrote over it: the cache makes the copies in order before anything is written,
+            # so a source given back in this very step (a window row past it) is still intact
+            assert held_before[src] >= 1 or src in cached_before
+            assert src not in {d for _, d in copies[:i]} and self.pt.ref_counts[dst] == 1
             self.page_content[dst] = self.page_content.get(src, ())  # the cache copies the page's K/V
         for row, count in zip(rows, counts):
             assert self.pt.seq_lens[row] == old_lens[row] + count
