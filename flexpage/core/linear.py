@@ -357,7 +357,7 @@ class FewRowLinears:
     def traced_kernels(self, rows: int) -> tuple[str, ...]:
         """The kernel a traced forward of ``rows`` rows takes in each layer (``fast_linear``): what a
         compiled graph bakes in, so part of what a saved graph is keyed by."""
-        return tuple(traced_kernel(rows, layer.weight, layer.bias, self.packed(layer) is not None)
+        return tuple(traced_kernel(rows, layer.weight, layer.bias, self.packs(layer))
                      for layer in self.layers)
 
     def remove(self) -> None:
@@ -371,12 +371,16 @@ class FewRowLinears:
             _PACKED.pop(weight.data_ptr(), None)
         self._packed.clear()
 
+    def packs(self, layer: nn.Linear) -> bool:
+        """Whether ``layer`` has a packed copy: weights are packed and this one is float32."""
+        return self.pack_rows > 0 and layer.weight.dtype == torch.float32
+
     def packed(self, layer: nn.Linear) -> torch.Tensor | None:
-        """``layer``'s packed weight (re-packed if the weight changed since), or None when
-        weights aren't packed or this one isn't float32."""
-        weight = layer.weight
-        if not self.pack_rows or weight.dtype != torch.float32:
+        """``layer``'s packed weight (re-packed if the weight changed since), or None where it has
+        none (``packs``)."""
+        if not self.packs(layer):
             return None
+        weight = layer.weight
         entry = self._packed.get(layer)
         if entry is None or entry[0] is not weight or entry[1] != weight._version:
             entry = self._packed[layer] = (weight, weight._version, pack_weight(weight, self.pack_rows))
@@ -388,8 +392,7 @@ class FewRowLinears:
             return F.linear(x, layer.weight, layer.bias)
         if torch.compiler.is_compiling() and _chooses(x, layer.weight, layer.bias):
             # the kernel measured for this layer as it is, packed or not (its copy is not traced)
-            packed = self.pack_rows > 0 and layer.weight.dtype == torch.float32
-            return traced_linear(x, layer.weight, layer.bias, packed)
+            return traced_linear(x, layer.weight, layer.bias, self.packs(layer))
         return fast_linear(x, layer.weight, layer.bias, self.packed(layer))
 
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
