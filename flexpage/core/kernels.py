@@ -16,7 +16,7 @@ None and the caller takes SDPA or FlexAttention (over dequantised keys for quant
 multiply-adds (AVX2 or AVX-512), bfloat16 with AVX512-BF16 dot products. It is built the same way,
 and offered for the dtypes its build covers on this CPU (``row_linear_available``). ``ops.cpp`` holds
 the C++ kernels of two ops over them (``native_ops``, built with the system C++ compiler against
-torch's headers): ``flexpage::row_linear`` and ``flexpage::paged_decode`` (decode tokens' attention,
+torch's stable C++ API, whose headers compile in a fraction of ATen's time): ``flexpage::row_linear`` and ``flexpage::paged_decode`` (decode tokens' attention,
 their keys found through the page table), which eager and compiled steps call without entering Python.
 """
 
@@ -244,7 +244,7 @@ def _load_native_ops() -> bool:
     cxx_source = Path(__file__).with_name("ops.cpp")
 
     def build(scratch: Path, built: Path) -> None:
-        # the sources compile side by side (the C++ one, against torch's headers, takes the longest), then link
+        # the sources compile side by side, then link
         objects = [str(scratch / f"{source.stem}.o") for source in (*c_sources, cxx_source)]
         _run(*([cc, *FLAGS, "-c", "-o", obj, str(source)] for source, obj in zip(c_sources, objects)),
              [cxx, *cxx_flags, "-c", "-o", objects[-1], str(cxx_source)])
