@@ -5,6 +5,11 @@ greedy tokens equal to stock's when every decode token takes it."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -182,3 +187,47 @@ def test_paged_decode_refuses_tokens_outside_the_page_table():
     query = torch.randn(1, 4, 1, 32)
     with pytest.raises(RuntimeError, match="token 0 reads a page its row does not hold"):
         torch.ops.flexpage.paged_decode(query, pool, pool, table, torch.tensor([0]), torch.tensor([20]), 16, 0, 1.0, 0.0)
+
+
+def _pid_written_then_sleeping(path) -> list[str]:
+    """A command that writes its process id to ``path`` and then sleeps for a minute."""
+    return [sys.executable, "-c", f"import os, time; open({str(path)!r}, 'w').write(str(os.getpid())); time.sleep(60)"]
+
+
+def _wait_for_pid(path) -> int:
+    deadline = time.monotonic() + 20
+    while not (path.exists() and path.read_text()):
+        assert time.monotonic() < deadline, "the command never started"
+        time.sleep(0.01)
+    return int(path.read_text())
+
+
+def _running_children() -> set[int]:
+    """This process's children that have not exited (Linux's /proc)."""
+    children = set()
+    for entry in os.listdir("/proc"):
+        try:
+            fields = (Path("/proc") / entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            children.add(int(entry))
+    return children
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from /proc")
+def test_a_build_command_that_cannot_start_stops_those_already_started(tmp_path):
+    before = _running_children()
+    with pytest.raises(FileNotFoundError):
+        kernels.run_commands(_pid_written_then_sleeping(tmp_path / "pid"), [str(tmp_path / "no-such-compiler")])
+    assert _running_children() <= before
+
+
+def test_build_commands_past_their_time_are_stopped_and_reported(tmp_path):
+    marker = tmp_path / "pid"
+    start = time.monotonic()
+    with pytest.raises(subprocess.CalledProcessError) as failed:
+        kernels.run_commands(_pid_written_then_sleeping(marker), timeout=3)
+    assert time.monotonic() - start < 30 and failed.value.returncode < 0  # killed, not waited out
+    with pytest.raises(ProcessLookupError):
+        os.kill(_wait_for_pid(marker), 0)

@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -95,7 +96,7 @@ def _build(name: str, cc: str) -> Path:
     source = Path(__file__).with_name(f"{name}.c")
 
     def build(scratch: Path, built: Path) -> None:
-        _run([cc, *FLAGS, "-o", str(built), str(source), "-lm"])
+        run_commands([cc, *FLAGS, "-o", str(built), str(source), "-lm"])
 
     return _built(name, [source.read_bytes(), cc.encode(), " ".join(FLAGS).encode()], build)
 
@@ -115,20 +116,30 @@ def _built(name: str, inputs: list[bytes], build: Callable[[Path, Path], None]) 
     return path
 
 
-def _run(*commands: list[str]) -> None:
-    """Run ``commands`` side by side (compiles of separate sources); ``CalledProcessError`` for the
-    first that fails, with its output."""
-    running = [(command, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-               for command in commands]
+def run_commands(*commands: list[str], timeout: float = 300) -> None:
+    """Run ``commands`` side by side (compiles of separate sources) within ``timeout`` seconds;
+    ``CalledProcessError`` for the first that fails, with its output. None is left running: where
+    one cannot start or time runs out, those started are stopped."""
+    running: list[tuple[list[str], subprocess.Popen]] = []
+    deadline = time.monotonic() + timeout
     failed = None
-    for command, process in running:
-        try:
-            out, err = process.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            out, err = process.communicate()
-        if process.returncode and failed is None:
-            failed = subprocess.CalledProcessError(process.returncode, command, out, err)
+    try:
+        for command in commands:
+            running.append((command, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                      text=True)))
+        for command, process in running:
+            try:
+                out, err = process.communicate(timeout=max(deadline - time.monotonic(), 0))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                out, err = process.communicate()
+            if process.returncode and failed is None:
+                failed = subprocess.CalledProcessError(process.returncode, command, out, err)
+    finally:
+        for _, process in running:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
     if failed is not None:
         raise failed
 
@@ -246,9 +257,9 @@ def _load_native_ops() -> bool:
     def build(scratch: Path, built: Path) -> None:
         # the sources compile side by side, then link
         objects = [str(scratch / f"{source.stem}.o") for source in (*c_sources, cxx_source)]
-        _run(*([cc, *FLAGS, "-c", "-o", obj, str(source)] for source, obj in zip(c_sources, objects)),
+        run_commands(*([cc, *FLAGS, "-c", "-o", obj, str(source)] for source, obj in zip(c_sources, objects)),
              [cxx, *cxx_flags, "-c", "-o", objects[-1], str(cxx_source)])
-        _run([cxx, "-o", str(built), *objects, *link_flags])
+        run_commands([cxx, "-o", str(built), *objects, *link_flags])
 
     try:
         if cc is None or cxx is None:
