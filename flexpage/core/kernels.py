@@ -16,7 +16,8 @@ None and the caller takes SDPA or FlexAttention (over dequantised keys for quant
 multiply-adds (AVX2 or AVX-512), bfloat16 with AVX512-BF16 dot products. It is built the same way,
 and offered for the dtypes its build covers on this CPU (``row_linear_available``). ``ops.cpp`` holds
 the C++ kernels of two ops over them (``native_ops``, built with the system C++ compiler against
-torch's stable C++ API, whose headers compile in a fraction of ATen's time): ``flexpage::row_linear`` and ``flexpage::paged_decode`` (decode tokens' attention,
+torch's stable C++ API, whose headers compile in a fraction of ATen's time; torch 2.10 or later,
+else the fallbacks below): ``flexpage::row_linear`` and ``flexpage::paged_decode`` (decode tokens' attention,
 their keys found through the page table), which eager and compiled steps call without entering Python.
 """
 
