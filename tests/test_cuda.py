@@ -1,6 +1,6 @@
 """The same code path on a CUDA GPU (skipped where there is none): paged attention against a
 float64 reference, wrap's greedy identity, the Engine's mixed workload, no recompiles after warm-up,
-sampling against transformers' warpers.
+compiled decode steps replayed as CUDA graphs, sampling against transformers' warpers.
 ``scripts/gpu_check.sh`` runs these with the benchmarks on a GPU machine."""
 
 from __future__ import annotations
@@ -71,6 +71,24 @@ def test_compiled_decode_matches_stock_on_cuda():
         if round_ == 0:
             graphs = compiled_graphs()
     assert compiled_graphs() == graphs
+    assert flexpage.paged_state(paged).steps.recorded > 0  # its decode steps replay CUDA graphs
+
+
+def test_engine_decode_steps_replay_cuda_graphs_on_cuda():
+    """The Engine's compiled decode steps on a GPU: warm-up records every bucket as a CUDA graph
+    (``step_graph.CudaGraphs``), decode steps replay them, and the tokens are stock's."""
+    engine = flexpage.Engine(zoo.build("llama-tiny").cuda(), max_cached_tokens=2048, max_batch_size=4,
+                             compile_decode=True)
+    steps = engine.runner.graphs
+    assert len(steps.buckets) > 1 and steps.recorded == len(steps.buckets)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (9, 40, 23, 71, 5)]
+    new_tokens = [24, 16, 30, 8, 20]
+    outputs = engine.generate(prompts, max_new_tokens=new_tokens)
+    stock = zoo.build("llama-tiny").cuda()
+    for prompt, n, out in zip(prompts, new_tokens, outputs):
+        assert out == greedy(stock, torch.tensor([prompt]).cuda(), None, n)[0, len(prompt):].tolist()
+    assert engine.stats().compiled_steps > 0 and steps.recorded == len(steps.buckets)
 
 
 def test_engine_mixed_workload_on_cuda():

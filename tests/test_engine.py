@@ -15,8 +15,9 @@ import torch
 
 import flexpage
 from flexpage import zoo
-from flexpage.core import linear
+from flexpage.core import linear, static_step
 from flexpage.core.pages import RELEASED
+from flexpage.core.policy import records_steps
 from flexpage.engine import counters, model_runner
 from flexpage import InvalidRequestError
 from flexpage.bench.measure import compiled_graphs
@@ -487,6 +488,58 @@ def test_compiled_decode_steps_match_stock_and_compile_nothing_after_warmup(arch
     assert engine.stats().compiled_steps > 0
     # the compiled steps read their inputs where warm-up put them: written in place, never reallocated
     assert {n: [t.data_ptr() for t in static.tensors()] for n, static in steps.static.items()} == addresses
+
+
+class Rerun:
+    """A recorder for the CPU in the place of CUDA graphs (``step_graph.CudaGraphs``): ``record`` runs a
+    bucket's step once and keeps its logits; a replay runs the step again over the bucket's tensors
+    as they are now and writes its logits into that same tensor, as a graph's replay rewrites its
+    output. ``buckets``: the buckets recorded, in order."""
+
+    def __init__(self) -> None:
+        self.buckets: list[int] = []
+
+    def record(self, step):
+        logits = step()
+        self.buckets.append(logits.shape[1])
+
+        def replay():
+            logits.copy_(step())
+            return logits
+
+        return replay
+
+
+def test_recorded_decode_steps_are_recorded_once_largest_first_and_replayed_with_stocks_tokens(monkeypatch):
+    """Where the device records steps (CUDA graphs), warm-up records every bucket once, largest
+    first (one memory pool: the smaller reuse the largest's), and each decode step replays its
+    bucket, whose logits land in the same tensor at every step: read before the next step writes
+    over them, they still give stock's tokens."""
+    assert records_steps(torch.device("cuda")) and not records_steps(torch.device("cpu"))  # (the policy's)
+    recorder = Rerun()
+    monkeypatch.setattr(static_step, "step_recorder", lambda device: recorder)
+    stock = zoo.build("llama-tiny")
+    engine = make_engine(compile_decode=True)
+    buckets = sorted(engine.runner.graphs.buckets, reverse=True)
+    assert len(buckets) > 1 and recorder.buckets == buckets and engine.runner.graphs.recorded == len(buckets)
+    outputs = engine.generate(workload(), max_new_tokens=list(NEW_TOKENS))
+    assert outputs == [stock_greedy(stock, p, n) for p, n in zip(workload(), NEW_TOKENS)]
+    assert recorder.buckets == buckets and engine.stats().compiled_steps > 0  # replayed, never recorded again
+
+
+class Unrecordable:
+    def record(self, step):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_bucket_that_cannot_be_recorded_runs_its_compiled_step_as_it_is(monkeypatch, caplog):
+    monkeypatch.setattr(static_step, "step_recorder", lambda device: Unrecordable())
+    stock = zoo.build("llama-tiny")
+    engine = make_engine(compile_decode=True)
+    assert "runs without a recorded graph (RuntimeError: operation not permitted" in caplog.text
+    outputs = engine.generate(workload(), max_new_tokens=list(NEW_TOKENS))
+    assert outputs == [stock_greedy(stock, p, n) for p, n in zip(workload(), NEW_TOKENS)]
+    assert engine.runner.graphs.recorded == 0 and engine.stats().compiled_steps > 0
 
 
 def test_an_engine_of_one_row_compiles_its_decode_steps():

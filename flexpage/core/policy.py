@@ -50,6 +50,9 @@ class DevicePolicy:
     # Decode-only steps run the whole forward compiled by default, every bucket (where it measured
     # faster than eager: the compiled step calls the eager path's attention and packed linears).
     compile_decode: bool = False
+    # Compiled static steps are recorded once per bucket as CUDA graphs and replayed (CUDA devices:
+    # ``step_graph``), their launches no longer paid from Python at every step.
+    capture_steps: bool = False
 
 
 CPU_POLICY = DevicePolicy(sdpa_lone_sequence=True, split_chunk_attention=True, grouped_decode_rows=True,
@@ -62,9 +65,15 @@ ACCELERATOR_POLICY = DevicePolicy(sdpa_lone_sequence=False, split_chunk_attentio
                                   pool_wide_metadata=False, uniform_decode_rows=False, tile_options=True,
                                   zero_copy_host_ints=False, host_sampling=False,
                                   decode_kernel_dtypes=frozenset(), lone_decode_kernel_keys=0,
-                                  page_size=16)
+                                  page_size=16, capture_steps=True)
 
 
 def device_policy(device: torch.device) -> DevicePolicy:
     """The policy for tensors on ``device``."""
     return CPU_POLICY if device.type == "cpu" else ACCELERATOR_POLICY
+
+
+def records_steps(device: torch.device) -> bool:
+    """Whether static steps on ``device`` are recorded as CUDA graphs: its policy's ``capture_steps``,
+    on a CUDA device (the graphs are CUDA's)."""
+    return device_policy(device).capture_steps and device.type == "cuda"

@@ -8,14 +8,17 @@ positions, slots, rows, the mask's block metadata), and one graph compiled ahead
 the linear layers call oneDNN on their packed weights or the few-row kernel, and attention the C
 decode kernel (``flexpage::paged_decode``, its keys found through the page table) or else the eager
 kernels, all as opaque ops: inductor's own were slower on the CPU, and with them the compiled step
-measured faster than the eager one at every bucket (``flexpage bench steps``). The Engine's runner and
-``wrap(compile_decode=True)`` both step through ``StaticSteps``: one mechanism.
+measured faster than the eager one at every bucket (``flexpage bench steps``). On a CUDA device each
+bucket's compiled step is recorded once as a CUDA graph and replayed (``step_graph``). The Engine's
+runner and ``wrap(compile_decode=True)`` both step through ``StaticSteps``: one mechanism.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -30,8 +33,10 @@ from .linear import FewRowLinears
 from .masks import PackedBlockMask, StaticDecodeMask
 from .pages import PackedPlan, PageTable
 from .policy import device_policy
+from .step_graph import Step, step_recorder
 from .step_shape import StepShape
 
+log = logging.getLogger(__name__)
 Variants = set[tuple[int | None, float | None]]  # the layers' (sliding window, soft-cap) attention variants
 
 
@@ -116,6 +121,11 @@ class StaticSteps:
                                         model.config.num_attention_heads, cache.num_kv_heads, cache.head_dim)
         self.variants: Variants = set()
         self.static: dict[int, StaticDecode] = {}  # each bucket's persistent step inputs
+        self.forwards: dict[int, Step] = {}  # each bucket's compiled forward over those inputs
+        # recorded and replayed (CUDA graphs) where the device does so: each bucket's replay
+        self.recorder = step_recorder(cache.page_table.device) if self.buckets else None
+        self.replays: dict[int, Step] = {}
+        self.recorded = 0  # buckets recorded
         self.steps = 0  # compiled steps run
 
     def bucket(self, count: int) -> int:
@@ -167,12 +177,33 @@ class StaticSteps:
             key = (self.key, decode_len, self.group, tuple(sorted(self.variants, key=repr)), kernels, self.native)
             static = self.static[decode_len] = StaticDecode.build(self.cache.page_table, decode_len, self.variants,
                                                                   self.group, key, flex=not self.native)
+            inputs = dict(input_ids=static.input_ids, position_ids=static.plan.position_ids,
+                          attention_mask=static.mask, use_cache=True, logits_to_keep=0,
+                          **{self.cache_argument: self.cache})
+            self.forwards[decode_len] = functools.partial(_compiled_decode_forward.keyed, static.key, self.model,
+                                                          inputs)
         self.cache.begin_packed_step(rows, [], decode_len, 0, 1, pad_decode=True, into=static.plan, reserved=True)
         static.input_ids.view(-1).copy_(host_tensor(ids + [0] * (decode_len - len(ids)), static.input_ids.device))
         static.mask.refresh(rows)
-        inputs = dict(input_ids=static.input_ids, position_ids=static.plan.position_ids, attention_mask=static.mask,
-                      use_cache=True, logits_to_keep=0, **{self.cache_argument: self.cache})
         start = time.perf_counter()
-        logits = _compiled_decode_forward.keyed(static.key, self.model, inputs)[0]
+        logits = self._step(decode_len)[0]
         self.steps += 1
         return logits, time.perf_counter() - start
+
+    def _step(self, decode_len: int) -> torch.Tensor:
+        """The bucket's compiled forward over its tensors as they are now: replayed where the
+        device records steps (``step_graph``; recorded on the bucket's first step, or run as it is
+        where recording fails), else called."""
+        if self.recorder is None:
+            return self.forwards[decode_len]()
+        replay = self.replays.get(decode_len)
+        if replay is None:
+            try:
+                replay = self.recorder.record(self.forwards[decode_len])
+                self.recorded += 1
+            except Exception as error:  # noqa: BLE001 - an op a graph cannot hold: the bucket runs unrecorded
+                log.warning("flexpage: decode bucket %d runs without a recorded graph (%s: %s)", decode_len,
+                            type(error).__name__, error)
+                replay = self.forwards[decode_len]
+            self.replays[decode_len] = replay
+        return replay()

@@ -357,8 +357,9 @@ class ModelRunner:
         # then the compiled decode graphs, twice over: the first forward of a model sets state that
         # the graphs compiled before it guard on (transformers' kernel hub), so the second builds it
         # the layers' mask variants are learned from an eager multi-row step: none, no compiled steps
+        # (largest first: where steps are recorded as graphs, the smaller ones reuse its memory pool)
         graphs = self.graphs
-        buckets = sorted(graphs.buckets) if graphs.variants else []
+        buckets = sorted(graphs.buckets, reverse=True) if graphs.variants else []
         for decode_len in tqdm(buckets * 2, desc="compiled steps", unit="graph", disable=not (progress and buckets)):
             if decode_len not in graphs.buckets:
                 continue
