@@ -17,8 +17,9 @@ multiply-adds (AVX2 or AVX-512), bfloat16 with AVX512-BF16 dot products. It is b
 and offered for the dtypes its build covers on this CPU (``row_linear_available``). ``ops.cpp`` holds
 the C++ kernels of two ops over them (``native_ops``, built with the system C++ compiler against
 torch's stable C++ API, whose headers compile in a fraction of ATen's time; torch 2.10 or later,
-else the fallbacks below): ``flexpage::row_linear`` and ``flexpage::paged_decode`` (decode tokens' attention,
-their keys found through the page table), which eager and compiled steps call without entering Python.
+else the fallbacks below): ``flexpage::row_linear`` and ``flexpage::paged_decode`` (decode tokens'
+attention, their keys found through the page table), which eager and compiled steps call without
+entering Python.
 """
 
 from __future__ import annotations
@@ -259,7 +260,7 @@ def _load_native_ops() -> bool:
         # the sources compile side by side, then link
         objects = [str(scratch / f"{source.stem}.o") for source in (*c_sources, cxx_source)]
         run_commands(*([cc, *FLAGS, "-c", "-o", obj, str(source)] for source, obj in zip(c_sources, objects)),
-             [cxx, *cxx_flags, "-c", "-o", objects[-1], str(cxx_source)])
+                     [cxx, *cxx_flags, "-c", "-o", objects[-1], str(cxx_source)])
         run_commands([cxx, "-o", str(built), *objects, *link_flags])
 
     try:

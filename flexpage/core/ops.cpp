@@ -28,8 +28,10 @@ int flexpage_decode_attention(const float *query, const uint8_t *key_pool, const
 
 namespace {
 
+using torch::headeronly::BFloat16;
 using torch::headeronly::ScalarType;
 using torch::stable::Tensor;
+using Strides = torch::headeronly::IntHeaderOnlyArrayRef;
 
 constexpr int64_t PART_KEYS = 256;  // fewest keys a thread's part takes (kernels.PART_KEYS)
 
@@ -75,8 +77,8 @@ int format_of(ScalarType dtype) {
 
 // Tokens ``fed`` of a query [1, heads, n, dim] (any strides) as float rows [fed, heads, dim].
 template <typename T>
-void gather_tokens(const T *query, torch::headeronly::IntHeaderOnlyArrayRef strides, const std::vector<int64_t> &fed, int64_t heads,
-                   int64_t dim, float *rows) {
+void gather_tokens(const T *query, Strides strides, const std::vector<int64_t> &fed, int64_t heads, int64_t dim,
+                   float *rows) {
     for (size_t c = 0; c < fed.size(); c++)
         for (int64_t h = 0; h < heads; h++) {
             const T *from = query + h * strides[1] + fed[c] * strides[2];
@@ -106,21 +108,22 @@ void scatter_tokens(const float *rows, const std::vector<int64_t> &fed, int64_t 
 Tensor paged_decode(Tensor query, Tensor key_pool, Tensor value_pool, Tensor table, Tensor tok_rows, Tensor tok_pos,
                     int64_t page_size, int64_t window, double scale, double cap) {
     STD_TORCH_CHECK(query.dim() == 4 && query.size(0) == 1 &&
-                    (query.scalar_type() == ScalarType::Float || query.scalar_type() == ScalarType::BFloat16),
-                "flexpage::paged_decode: a float32 or bfloat16 query of shape [1, heads, tokens, dim]");
+                        (query.scalar_type() == ScalarType::Float || query.scalar_type() == ScalarType::BFloat16),
+                    "flexpage::paged_decode: a float32 or bfloat16 query of shape [1, heads, tokens, dim]");
     const int64_t heads = query.size(1), n = query.size(2), dim = query.size(3);
     const int64_t kv_heads = key_pool.size(1), slots = key_pool.size(2);
     const int format = format_of(key_pool.scalar_type());
     STD_TORCH_CHECK(format >= 0 && key_pool.scalar_type() == value_pool.scalar_type() &&
-                    key_pool.sizes().equals(value_pool.sizes()) && key_pool.dim() == 4 && key_pool.size(0) == 1 &&
-                    key_pool.is_contiguous() &&
-                    value_pool.is_contiguous() && key_pool.size(3) == (format < 2 ? dim + 2 : dim),
-                "flexpage::paged_decode: contiguous pools [1, kv_heads, slots, dim] of one dtype it reads");
+                        key_pool.sizes().equals(value_pool.sizes()) && key_pool.dim() == 4 && key_pool.size(0) == 1 &&
+                        key_pool.is_contiguous() && value_pool.is_contiguous() &&
+                        key_pool.size(3) == (format < 2 ? dim + 2 : dim),
+                    "flexpage::paged_decode: contiguous pools [1, kv_heads, slots, dim] of one dtype it reads");
     STD_TORCH_CHECK(heads % kv_heads == 0, "flexpage::paged_decode: query heads a multiple of the KV heads");
     STD_TORCH_CHECK(table.scalar_type() == ScalarType::Int && table.dim() == 2 && table.is_contiguous() &&
-                    tok_rows.scalar_type() == ScalarType::Long && tok_pos.scalar_type() == ScalarType::Long &&
-                    tok_rows.numel() == n && tok_pos.numel() == n && tok_rows.is_contiguous() && tok_pos.is_contiguous(),
-                "flexpage::paged_decode: an int32 page table and int64 rows and positions, one per token");
+                        tok_rows.scalar_type() == ScalarType::Long && tok_pos.scalar_type() == ScalarType::Long &&
+                        tok_rows.numel() == n && tok_pos.numel() == n && tok_rows.is_contiguous() &&
+                        tok_pos.is_contiguous(),
+                    "flexpage::paged_decode: an int32 page table and int64 rows and positions, one per token");
     const int32_t *pages = table.const_data_ptr<int32_t>();
     const int64_t *rows = tok_rows.const_data_ptr<int64_t>(), *positions = tok_pos.const_data_ptr<int64_t>();
     const int64_t width = table.size(1);
@@ -131,7 +134,7 @@ Tensor paged_decode(Tensor query, Tensor key_pool, Tensor value_pool, Tensor tab
         const int64_t pos = positions[t];
         if (pos < 0) continue;
         STD_TORCH_CHECK(rows[t] >= 0 && rows[t] < table.size(0) && pos / page_size < width,
-                    "flexpage::paged_decode: token ", t, " lies outside the page table");
+                        "flexpage::paged_decode: token ", t, " lies outside the page table");
         const int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
         for (int64_t at = lo; at <= pos;) {
             const int64_t page = pages[rows[t] * width + at / page_size];
@@ -155,7 +158,7 @@ Tensor paged_decode(Tensor query, Tensor key_pool, Tensor value_pool, Tensor tab
     std::vector<float> folded(count * heads * dim), attended(count * heads * dim);
     const int bf16 = query.scalar_type() == ScalarType::BFloat16;
     if (bf16)
-        gather_tokens(query.const_data_ptr<torch::headeronly::BFloat16>(), query.strides(), fed, heads, dim, folded.data());
+        gather_tokens(query.const_data_ptr<BFloat16>(), query.strides(), fed, heads, dim, folded.data());
     else
         gather_tokens(query.const_data_ptr<float>(), query.strides(), fed, heads, dim, folded.data());
     if (count > 0) {
@@ -168,11 +171,11 @@ Tensor paged_decode(Tensor query, Tensor key_pool, Tensor value_pool, Tensor tab
             first_run.data(), starts.data(), counts.data(), static_cast<float>(scale),
             cap > 0 ? static_cast<float>(cap) : 0.0f, part_keys, format, bf16, attended.data());
         STD_TORCH_CHECK(status != 2, "flexpage::paged_decode: out of memory");
-        STD_TORCH_CHECK(status == 0, "flexpage::paged_decode: shapes the kernel does not take (at most 16 query heads "
-                                 "per KV head, a head dimension of at most 256)");
+        STD_TORCH_CHECK(status == 0, "flexpage::paged_decode: shapes the kernel does not take (at most 16 query "
+                                     "heads per KV head, a head dimension of at most 256)");
     }
     if (bf16)
-        scatter_tokens(attended.data(), fed, n, heads, dim, out.mutable_data_ptr<torch::headeronly::BFloat16>());
+        scatter_tokens(attended.data(), fed, n, heads, dim, out.mutable_data_ptr<BFloat16>());
     else
         scatter_tokens(attended.data(), fed, n, heads, dim, out.mutable_data_ptr<float>());
     return out;
