@@ -36,7 +36,10 @@ def values_of(pool: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", POOLS)
-@pytest.mark.parametrize("heads, kv_heads, dim", [(8, 2, 64), (4, 4, 128), (6, 2, 24), (16, 1, 32), (4, 2, 20)])
+# every count of query heads a KV head's last group of four can hold (1-4) over the vector paths
+# (head dims 64 and 128), and the narrower and odd head dims' paths
+@pytest.mark.parametrize("heads, kv_heads, dim", [(8, 2, 64), (4, 4, 128), (4, 2, 128), (6, 2, 64), (6, 2, 24),
+                                                  (16, 1, 32), (4, 2, 20)])
 def test_the_decode_kernel_attends_pages_in_place_as_sdpa_over_their_values(monkeypatch, dtype, heads, kv_heads,
                                                                            dim):
     assert kernels.compiler() is not None and kernels.library() is not None  # CI machines have a C compiler

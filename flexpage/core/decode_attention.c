@@ -61,18 +61,19 @@ static inline float float8_value(uint8_t byte) {
     return byte & 0x80 ? -value : value;
 }
 
-/* Value ``i`` of a stored row, and the row's scale. */
+/* Value ``i`` of a stored row, and the row's scale. Float8 values are read as value / 2^8 (the
+ * vector paths' half-precision reading, without a multiply) and their scales as scale * 2^8. */
 static inline float value_at(const uint8_t *row, int64_t i, int format) {
     switch (format) {
     case INT8: return (float)(int8_t)row[i];
-    case FLOAT8: return float8_value(row[i]);
+    case FLOAT8: return float8_value(row[i]) * (1.0f / 256);
     case FLOAT32: { float value; memcpy(&value, row + 4 * i, 4); return value; }
     default: return bf16_at(row + 2 * i);
     }
 }
 
 static inline float scale_of(const uint8_t *row, int64_t dim, int format) {
-    return format == INT8 || format == FLOAT8 ? bf16_at(row + dim) : 1.0f;
+    return format == INT8 ? bf16_at(row + dim) : format == FLOAT8 ? bf16_at(row + dim) * 256.0f : 1.0f;
 }
 
 /* One KV head's query heads (a multiple of four, rows of ``dim``) as floats (``q``), and in
@@ -96,11 +97,12 @@ static inline uint16_t to_bf16(float x) {
 }
 
 #ifdef __F16C__
-/* float8 (e4m3) bytes as the half-precision numbers of the same value divided by 2^8: the sign to
- * bit 15, exponent and mantissa below it (the exponents' biases differ by 8; denormals too). */
-static inline __m128i float8_halves8(__m128i bytes) {
-    return _mm_or_si128(_mm_slli_epi16(_mm_and_si128(bytes, _mm_set1_epi16(0x80)), 8),
-                        _mm_slli_epi16(_mm_and_si128(bytes, _mm_set1_epi16(0x7f)), 7));
+/* float8 (e4m3) bytes, sign-extended to 16 bits, as the half-precision numbers of the same value
+ * divided by 2^8 (the exponents' biases differ by 8; denormals too): shifted up by 7, the sign
+ * lands in bit 15 and the exponent and mantissa below it; a negative byte's extension also sets
+ * bit 14, cleared. */
+static inline __m128i float8_halves8(__m128i extended) {
+    return _mm_and_si128(_mm_slli_epi16(extended, 7), _mm_set1_epi16((short)0xbfff));
 }
 #endif
 
@@ -109,12 +111,11 @@ static inline __m256 load8(const uint8_t *row, int64_t i, int format) {
     switch (format) {
     case INT8: return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + i))));
 #ifdef __F16C__
-    case FLOAT8: return _mm256_mul_ps(_mm256_cvtph_ps(float8_halves8(_mm_cvtepu8_epi16(
-                     _mm_loadl_epi64((const __m128i *)(row + i))))), _mm256_set1_ps(256.0f));
+    case FLOAT8: return _mm256_cvtph_ps(float8_halves8(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(row + i)))));
 #else
     case FLOAT8: {
         float values[8];
-        for (int j = 0; j < 8; j++) values[j] = float8_value(row[i + j]);
+        for (int j = 0; j < 8; j++) values[j] = value_at(row, i + j, FLOAT8);
         return _mm256_loadu_ps(values);
     }
 #endif
@@ -130,10 +131,8 @@ static inline __m512 load16(const uint8_t *row, int64_t i, int format) {
     switch (format) {
     case INT8: return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + i))));
     case FLOAT8: {  /* as ``float8_halves8``, sixteen at a time */
-        const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(row + i)));
-        const __m256i halves = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x80)), 8),
-                                               _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x7f)), 7));
-        return _mm512_mul_ps(_mm512_cvtph_ps(halves), _mm512_set1_ps(256.0f));
+        const __m256i extended = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + i)));
+        return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(extended, 7), _mm256_set1_epi16((short)0xbfff)));
     }
     case FLOAT32: return _mm512_loadu_ps((const float *)(row + 4 * i));
     default: return _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -277,14 +276,19 @@ static inline __attribute__((always_inline)) void key_dots(const struct held *he
 }
 #endif
 
-/* The block's ``n`` value rows (``rows``) and their scales: float32 pages, and bfloat16 ones where
- * ``in_place``, read in place; others converted to floats in ``converted``. */
+/* The block's ``n`` value rows (``rows``) and their scales: read in place where the output's sums
+ * convert them in registers (``accumulate_heads``), and bfloat16 ones where ``in_place``; others
+ * converted to floats in ``converted``. */
 static inline void value_rows(const uint8_t *pool, const int64_t *slots, int64_t n, int64_t dim, int format,
                               float *converted, const void **rows, float *scales, int in_place) {
-    if (format == FLOAT32 || in_place) {
+    int raw = format == FLOAT32 || in_place;
+#ifdef WIDE
+    raw = raw || dim % 64 == 0;
+#endif
+    if (raw) {
         for (int64_t j = 0; j < n; j++) {
             rows[j] = pool + slots[j] * row_bytes(dim, format);
-            scales[j] = 1.0f;
+            scales[j] = scale_of(rows[j], dim, format);
         }
         return;
     }
@@ -388,18 +392,19 @@ static inline void unpair(float *acc, int64_t count) {
 #endif
 
 #ifdef WIDE
-/* ``heads`` (1 or 4, a constant where inlined) query heads' acc += sum_j weights[g][j] * values[j],
- * 64 outputs of each in registers at a time, each value row loaded once for all the heads. */
+/* ``heads`` (1 to 4, a constant where inlined) query heads' acc += sum_j weights[g][j] * values[j]
+ * over stored value rows, 64 outputs of each in registers at a time, each row loaded and converted
+ * once for all the heads. */
 static inline __attribute__((always_inline)) void accumulate_heads(float *acc, float (*weights)[BLOCK],
-                                                                   const float *const *values, int64_t n,
-                                                                   int64_t dim, int64_t heads) {
+                                                                   const uint8_t *const *values, int64_t n,
+                                                                   int64_t dim, int format, int64_t heads) {
     for (int64_t i0 = 0; i0 < dim; i0 += 64) {
         __m512 out[4][4];
         for (int64_t g = 0; g < heads; g++)
             for (int64_t c = 0; c < 4; c++) out[g][c] = _mm512_loadu_ps(acc + g * dim + i0 + 16 * c);
         for (int64_t j = 0; j < n; j++) {
             __m512 row[4];
-            for (int64_t c = 0; c < 4; c++) row[c] = _mm512_loadu_ps(values[j] + i0 + 16 * c);
+            for (int64_t c = 0; c < 4; c++) row[c] = load16(values[j], i0 + 16 * c, format);
             for (int64_t g = 0; g < heads; g++) {
                 const __m512 weight = _mm512_set1_ps(weights[g][j]);
                 for (int64_t c = 0; c < 4; c++) out[g][c] = _mm512_fmadd_ps(weight, row[c], out[g][c]);
@@ -411,16 +416,24 @@ static inline __attribute__((always_inline)) void accumulate_heads(float *acc, f
 }
 #endif
 
-static inline void block_accumulate(float *acc, float (*weights)[BLOCK], const float *const *values, int64_t n,
-                                    int64_t dim, int64_t group) {
+/* acc[g] += sum_j weights[g][j] * values[j] over the block's ``n`` value rows (``value_rows``'s). */
+static inline void block_accumulate(float *acc, float (*weights)[BLOCK], const void *const *rows, int64_t n,
+                                    int64_t dim, int64_t group, int format) {
 #ifdef WIDE
-    if (dim % 64 == 0) {
-        int64_t g0 = 0;
-        for (; g0 + 4 <= group; g0 += 4) accumulate_heads(acc + g0 * dim, weights + g0, values, n, dim, 4);
-        for (; g0 < group; g0++) accumulate_heads(acc + g0 * dim, weights + g0, values, n, dim, 1);
+    if (dim % 64 == 0) {  /* rows as stored */
+        const uint8_t *const *values = (const uint8_t *const *)rows;
+        for (int64_t g0 = 0; g0 < group; g0 += 4) {
+            switch (group - g0) {
+            case 1: accumulate_heads(acc + g0 * dim, weights + g0, values, n, dim, format, 1); break;
+            case 2: accumulate_heads(acc + g0 * dim, weights + g0, values, n, dim, format, 2); break;
+            case 3: accumulate_heads(acc + g0 * dim, weights + g0, values, n, dim, format, 3); break;
+            default: accumulate_heads(acc + g0 * dim, weights + g0, values, n, dim, format, 4);
+            }
+        }
         return;
     }
 #endif
+    const float *const *values = (const float *const *)rows;  /* rows of floats */
 #ifdef VECTORS
     if (dim % 64 == 0) {  /* eight vectors of the output held in registers over the block */
         for (int64_t g = 0; g < group; g++)
@@ -533,7 +546,7 @@ static inline void attend_part(const float *q, const uint8_t *keys, const uint8_
             continue;
         }
 #endif
-        block_accumulate(acc, scores, (const float *const *)rows, n, dim, group);
+        block_accumulate(acc, scores, rows, n, dim, group, format);
     }
 #ifdef BF16_DOTS
     if (heads.bf16) unpair(acc, group * dim);
