@@ -84,9 +84,10 @@ struct heads {
 };
 
 #ifdef VECTORS
-/* Every cache line of the ``bytes`` at ``row`` into the cache ahead of use. */
+/* Every cache line of the ``bytes`` at ``row`` into the second-level cache ahead of use (into the
+ * first, the keys and values ahead of two streams evicted each other: about 30% slower). */
 static inline void prefetch_row(const uint8_t *row, int64_t bytes) {
-    for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch((const char *)(row + at), _MM_HINT_T0);
+    for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch((const char *)(row + at), _MM_HINT_T1);
 }
 
 /* ``x`` rounded to bfloat16 (to nearest, ties to even), as its bits. */
