@@ -31,28 +31,30 @@ from flexpage.core.quant import quantise  # noqa: E402
 SOURCE = "flexpage/core/decode_attention.c"
 CASES = [(32, 512), (1, 512), (1, 32768)]  # (decode tokens, keys each)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8, "float8": torch.float8_e4m3fn}
-FLOAT8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # the kernel's float8 table
+FLOAT8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # older sources' float8 table
 
 
-def build(source: str, directory: Path, name: str) -> tuple[ctypes.CDLL, bool, bool]:
+def build(source: str, directory: Path, name: str) -> tuple[ctypes.CDLL, bool, bool, bool]:
     """``source`` compiled as flexpage compiles its kernels, loaded with the entry point's signature;
-    and whether it takes the ``bf16_query`` and ``cap`` arguments (sources before them did not)."""
+    and whether it takes the ``bf16_query`` and ``cap`` arguments (sources before them did not) and
+    a float8 value table after the format (sources before commit 883fe0c did)."""
     path, built = directory / f"{name}.c", directory / f"{name}.so"
     path.write_text(source)
     subprocess.run([kernels.compiler() or "cc", *kernels.FLAGS, "-o", str(built), str(path), "-lm"], check=True)
     lib = ctypes.CDLL(str(built))
     entry = lib.flexpage_decode_attention
     argtypes, entry.restype = kernels.ENTRY_POINTS["decode_attention"]["flexpage_decode_attention"]
-    flagged, capped = "bf16_query" in source, "float cap" in source
+    flagged, capped, table = "bf16_query" in source, "float cap" in source, "int format, const float *lut" in source
+    argtypes = argtypes[:15] + [ctypes.c_void_p] + argtypes[15:] if table else argtypes  # the table follows the format
     argtypes = argtypes if capped else argtypes[:12] + argtypes[13:]  # the cap follows the scale
     entry.argtypes = argtypes if flagged else argtypes[:-2] + argtypes[-1:]
-    return lib, flagged, capped
+    return lib, flagged, capped, table
 
 
-def attend(built: tuple[ctypes.CDLL, bool, bool], query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+def attend(built: tuple[ctypes.CDLL, bool, bool, bool], query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
            first: torch.Tensor, runs: torch.Tensor) -> torch.Tensor:
     """``kernels.decode_attention``'s call, through ``built``'s library."""
-    lib, flagged, capped = built
+    lib, flagged, capped, table = built
     rows, heads, _, dim = query.shape
     kv_heads = keys.shape[1]
     folded = query.reshape(rows, kv_heads, heads // kv_heads, dim).float().contiguous()
@@ -61,7 +63,7 @@ def attend(built: tuple[ctypes.CDLL, bool, bool], query: torch.Tensor, keys: tor
     status = lib.flexpage_decode_attention(
         folded.data_ptr(), keys.data_ptr(), values.data_ptr(), rows, kv_heads, keys.shape[2], dim, heads // kv_heads,
         first.data_ptr(), runs[0].data_ptr(), runs[1].data_ptr(), dim ** -0.5, *([0.0] if capped else []), part_keys,
-        kernels.FORMATS[keys.dtype], FLOAT8_VALUES.data_ptr() if keys.dtype == torch.float8_e4m3fn else None,
+        kernels.FORMATS[keys.dtype], *([FLOAT8_VALUES.data_ptr()] if table else []),
         *([query.dtype == torch.bfloat16] if flagged else []), out.data_ptr())
     if status:
         raise RuntimeError(f"flexpage_decode_attention failed with status {status}")
