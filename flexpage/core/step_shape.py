@@ -11,7 +11,7 @@ from typing import Iterable
 import torch
 from transformers import PreTrainedModel
 
-from .attention import sdpa_over_pages
+from .attention import native_decode_for, sdpa_over_pages
 from .host import cdiv, pow2_bucket
 
 # query block of prefill chunks where FlexAttention attends them (Triton's smallest tile); where SDPA
@@ -24,17 +24,33 @@ MIN_CHUNK_REGION = 64  # the smallest chunk-region bucket
 class StepShape:
     """Step shapes for a model on a device. ``sdpa``: a lone decode token, and each prefill chunk,
     is attended by SDPA over its sequence's pages (``sdpa_over_pages``), so those regions compile
-    nothing: a lone row is its own decode bucket and chunks are neither aligned nor bucketed.
+    nothing: chunks are neither aligned nor bucketed. ``native_decode``: the C decode kernel attends
+    every decode token, whatever the layer's variant (``attention.native_decode_for``).
     ``verify_rows``: a bucket of exactly this many rows besides the powers of two (a lone sequence
     verifying all its drafts, ``1 + num_speculative_tokens``: no padding rows for the linear layers
     to multiply in the commonest verification)."""
 
     sdpa: bool
     verify_rows: int = 0
+    native_decode: bool = False
 
     @classmethod
-    def of(cls, model: PreTrainedModel, device: torch.device, verify_rows: int = 0) -> "StepShape":
-        return cls(sdpa_over_pages(device, getattr(model.config, "attn_logit_softcapping", None), 1), verify_rows)
+    def of(cls, model: PreTrainedModel, device: torch.device, verify_rows: int = 0,
+           pool_dtype: torch.dtype | None = None) -> "StepShape":
+        """The shapes of ``model``'s steps on ``device`` over pools of ``pool_dtype`` (the model's by default)."""
+        config = model.config
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        native = native_decode_for(device, model.dtype, pool_dtype or model.dtype, heads,
+                                   getattr(config, "num_key_value_heads", None) or heads, head_dim)
+        return cls(sdpa_over_pages(device, getattr(config, "attn_logit_softcapping", None), 1), verify_rows, native)
+
+    @property
+    def lone_decode(self) -> bool:
+        """Whether a lone decode token is its own bucket of one row: SDPA or the C kernel attends it,
+        not FlexAttention (whose decode graphs start at two rows), so its linear layers multiply no
+        padding row and it compiles no attention graph."""
+        return self.sdpa or self.native_decode
 
     @property
     def chunk_block(self) -> int:
@@ -43,9 +59,10 @@ class StepShape:
 
     def decode_len(self, count: int) -> int:
         """The decode attention call's rows for ``count`` decode tokens: a power of two >= 2, so graphs
-        are few, or 1 for a lone token attended by SDPA, or ``verify_rows``. The rows past the real
+        are few, or 1 for a lone token (``lone_decode``), or ``verify_rows``. The rows past the real
         tokens are empty: attention skips them, the linear layers multiply them."""
-        return count if count == 0 or count == 1 and self.sdpa or count == self.verify_rows else pow2_bucket(count, 2)
+        lone = count == 1 and self.lone_decode
+        return count if count == 0 or lone or count == self.verify_rows else pow2_bucket(count, 2)
 
     def chunk_len(self, chunk_tokens: Iterable[int]) -> int:
         """The chunk region's positions for chunks of these many tokens, each aligned to ``chunk_block``:

@@ -74,7 +74,8 @@ class ModelRunner:
         self.max_batch_size, self.max_tokens_per_step = max_batch_size, max_tokens_per_step
         self.device = model.device  # fixed once the pools are allocated (the property is slow)
         # the decode and chunk regions' buckets
-        self.shape = StepShape.of(model, self.device, 1 + speculative_tokens if speculative_tokens else 0)
+        self.shape = StepShape.of(model, self.device, 1 + speculative_tokens if speculative_tokens else 0,
+                                  cache.layers[0].keys.dtype)
         self.sampler = Sampler()  # keeps its scratch rows from step to step
         # decode-only steps as static steps, one compiled graph per decode bucket (``StaticSteps``): every
         # bucket, none, or (None) the device policy's choice; not under tensor parallelism or device maps.
@@ -304,8 +305,8 @@ class ModelRunner:
 
     def compiled_shapes(self, decode_len: int, chunk_len: int) -> list[tuple[str, int]]:
         """The compiled attention regions a step of these region sizes used."""
-        sdpa = self.shape.sdpa
-        shapes = (("decode", 0 if decode_len == 1 and sdpa else decode_len), ("chunk", 0 if sdpa else chunk_len))
+        lone = decode_len == 1 and self.shape.lone_decode
+        shapes = (("decode", 0 if lone else decode_len), ("chunk", 0 if self.shape.sdpa else chunk_len))
         return [shape for shape in shapes if shape[1]]
 
     def step_shapes(self) -> list[tuple[int, int]]:
@@ -317,7 +318,7 @@ class ModelRunner:
             chunks.append(MIN_CHUNK_REGION)
             while chunks[-1] < self.max_tokens_per_step:
                 chunks.append(chunks[-1] * 2)
-        first = 2 if self.shape.sdpa else 1
+        first = 2 if self.shape.lone_decode else 1
         decodes = sorted({self.shape.decode_len(k) for k in range(first, self.max_batch_size + 1)})
         return [(0, c) for c in chunks] + [(d, 0) for d in decodes]
 
