@@ -120,6 +120,22 @@ def test_rankings_of_another_cpu_or_a_broken_file_are_not_taken(fresh_choices):
     assert list(saved) == [linear._machine()] and saved[linear._machine()] == {key: list(order)}
 
 
+def test_rankings_measured_with_another_version_of_the_few_row_kernel_are_not_taken(fresh_choices, monkeypatch):
+    """A ranking holds for the kernels it timed: after ``row_linear.c`` (or its op) changes, what was
+    decided with the earlier build is measured again, not kept."""
+    order = tuple(reversed(linear.candidates(packed=False)))
+    key = (8, 4, False, 2, torch.get_num_threads(), "float32", False)
+    linear.ranking[key] = order
+    linear.save_rankings()
+    linear.ranking.clear()
+    linear.load_rankings()
+    assert linear.ranking == {key: order}  # the same sources: taken
+    linear.ranking.clear()
+    monkeypatch.setattr(kernels, "source_digest", lambda *names: "another")
+    linear.load_rankings()
+    assert linear.ranking == {}
+
+
 def test_packed_copies_are_taken_once_and_follow_the_weights(fresh_choices):
     """``pack``: each float32 layer keeps one packed copy, used by the packed kernel, packed
     again when its weight is changed in place or replaced, and dropped by ``remove``."""

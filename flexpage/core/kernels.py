@@ -103,6 +103,13 @@ def _build(name: str, cc: str) -> Path:
     return _built(name, [source.read_bytes(), cc.encode(), " ".join(FLAGS).encode()], build)
 
 
+def source_digest(*names: str) -> str:
+    """A short digest of these sources beside this file (``row_linear.c``, ``ops.cpp``): what a
+    measurement of their kernels is only valid for."""
+    digest = hashlib.sha256(b"\0".join(Path(__file__).with_name(name).read_bytes() for name in names))
+    return digest.hexdigest()[:12]
+
+
 def _built(name: str, inputs: list[bytes], build: Callable[[Path, Path], None]) -> Path:
     """The cached shared object ``name`` of ``inputs`` (sources, compilers, flags) for this CPU:
     ``build(scratch folder, path)`` makes it the first time, aside, then it is moved in whole."""

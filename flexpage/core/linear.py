@@ -247,12 +247,16 @@ def rankings_file() -> Path:
 
 
 def _machine() -> str:
-    return f"{cpu_model()} | torch {torch.__version__} | {', '.join(KERNELS)}"
+    """What rankings are kept under: the CPU, torch, the kernels timed and the few-row kernel's
+    sources (rankings measured with an earlier version of it are not taken)."""
+    return (f"{cpu_model()} | torch {torch.__version__} | {', '.join(KERNELS)} | "
+            f"rows {kernels.source_digest('row_linear.c', 'ops.cpp')}")
 
 
 def load_rankings() -> None:
-    """Take the rankings an earlier process decided on this CPU with this torch (an autotuning
-    cache: a new process then times nothing it already knows; delete the file to re-measure)."""
+    """Take the rankings an earlier process decided on this CPU with this torch and these kernels
+    (``_machine``; an autotuning cache: a new process then times nothing it already knows; delete
+    the file to re-measure)."""
     try:
         saved = json.loads(rankings_file().read_text())[_machine()]
         found = {}
