@@ -493,7 +493,7 @@ static inline float block_softmax(float *row, int64_t n, const float *key_scale,
             row[j] *= value_scale[j];
         }
     }
-    const float shrink = expf(*m - top);
+    const float shrink = top > *m ? expf(*m - top) : 1.0f;  /* past the first blocks the max seldom grows */
     *l = *l * shrink + sum;
     *m = top;
     return shrink;
@@ -539,7 +539,8 @@ static inline void attend_part(const float *q, const uint8_t *keys, const uint8_
         value_rows(values, slots, n, dim, format, converted, rows, value_scale, heads.bf16 != NULL);
         for (int64_t g = 0; g < group; g++) {
             const float shrink = block_softmax(scores[g], n, key_scale, value_scale, cap, m + g, l + g);
-            for (int64_t i = 0; i < dim; i++) acc[g * dim + i] *= shrink;
+            if (shrink != 1.0f)
+                for (int64_t i = 0; i < dim; i++) acc[g * dim + i] *= shrink;
         }
 #ifdef BF16_DOTS
         if (heads.bf16) {
