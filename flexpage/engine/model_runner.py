@@ -311,8 +311,9 @@ class ModelRunner:
 
     def step_shapes(self) -> list[tuple[int, int]]:
         """Every ``(decode_len, chunk_len)`` region size a step can have that compiles a graph:
-        each chunk-region bucket and each decode-region bucket. Where SDPA attends a lone decode
-        token and the prefill chunks (CPU), those regions compile nothing and have no buckets."""
+        each chunk-region bucket and each decode-region bucket. Where SDPA or the C decode kernel
+        attends a lone decode token, and SDPA the prefill chunks (CPU), those regions compile nothing
+        and have no buckets."""
         chunks = []
         if not self.shape.sdpa:
             chunks.append(MIN_CHUNK_REGION)
