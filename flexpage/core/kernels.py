@@ -103,6 +103,7 @@ def _build(name: str, cc: str) -> Path:
     return _built(name, [source.read_bytes(), cc.encode(), " ".join(FLAGS).encode()], build)
 
 
+@functools.cache  # asked each time rankings are saved
 def source_digest(*names: str) -> str:
     """A short digest of these sources beside this file (``row_linear.c``, ``ops.cpp``): what a
     measurement of their kernels is only valid for."""

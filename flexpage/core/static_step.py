@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from .attention import head_group, native_decode_for
+from .attention import head_group
 from .cache import PagedKVCache
 from .compile import compile_static
 from .host import host_tensor
@@ -117,8 +117,7 @@ class StaticSteps:
         # a static step's attention runs eagerly inside it (``static_decode_attention``): grouped heads too
         self.group = head_group(cache.page_table.device, model.config.num_attention_heads, cache.num_kv_heads)
         # or reads the page table itself (``paged_decode``): then its masks need no FlexAttention metadata
-        self.native = native_decode_for(cache.page_table.device, model.dtype, cache.layers[0].keys.dtype,
-                                        model.config.num_attention_heads, cache.num_kv_heads, cache.head_dim)
+        self.native = shape.native_decode
         self.variants: Variants = set()
         self.static: dict[int, StaticDecode] = {}  # each bucket's persistent step inputs
         self.forwards: dict[int, Step] = {}  # each bucket's compiled forward over those inputs

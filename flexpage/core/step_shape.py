@@ -6,13 +6,16 @@ Engine's steps both take theirs from a ``StepShape``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 from transformers import PreTrainedModel
 
 from .attention import native_decode_for, sdpa_over_pages
 from .host import cdiv, pow2_bucket
+
+if TYPE_CHECKING:
+    from .cache import PagedKVCache
 
 # query block of prefill chunks where FlexAttention attends them (Triton's smallest tile); where SDPA
 # attends each chunk on its own (CPU) chunks need no alignment. Decode tokens are one-token rows.
@@ -35,15 +38,13 @@ class StepShape:
     native_decode: bool = False
 
     @classmethod
-    def of(cls, model: PreTrainedModel, device: torch.device, verify_rows: int = 0,
-           pool_dtype: torch.dtype | None = None) -> "StepShape":
-        """The shapes of ``model``'s steps on ``device`` over pools of ``pool_dtype`` (the model's by default)."""
-        config = model.config
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        native = native_decode_for(device, model.dtype, pool_dtype or model.dtype, heads,
-                                   getattr(config, "num_key_value_heads", None) or heads, head_dim)
-        return cls(sdpa_over_pages(device, getattr(config, "attn_logit_softcapping", None), 1), verify_rows, native)
+    def of(cls, model: PreTrainedModel, cache: "PagedKVCache", device: torch.device,
+           verify_rows: int = 0) -> "StepShape":
+        """The shapes of ``model``'s steps on ``device`` over ``cache``'s pools."""
+        native = native_decode_for(device, model.dtype, cache.layers[0].keys.dtype, model.config.num_attention_heads,
+                                   cache.num_kv_heads, cache.head_dim)
+        cap = getattr(model.config, "attn_logit_softcapping", None)
+        return cls(sdpa_over_pages(device, cap, 1), verify_rows, native)
 
     @property
     def lone_decode(self) -> bool:
