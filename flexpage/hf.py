@@ -146,7 +146,7 @@ def wrap(
     )
     _register(stock)
     model.set_attn_implementation(FALLBACKS[stock])
-    shape = StepShape.of(model, cache, devices[0])
+    shape = StepShape.of(model, devices[0], cache.layers[0].keys.dtype, cache.num_kv_heads, cache.head_dim)
     hooks = (model.base_model.register_forward_pre_hook(functools.partial(_begin_paged_step, shape), with_kwargs=True),
              model.base_model.register_forward_hook(_end_paged_step, with_kwargs=True))
     linears = FewRowLinears(model, _is_paged_call) if few_row_linears else None

@@ -6,16 +6,13 @@ Engine's steps both take theirs from a ``StepShape``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 import torch
 from transformers import PreTrainedModel
 
 from .attention import native_decode_for, sdpa_over_pages
 from .host import cdiv, pow2_bucket
-
-if TYPE_CHECKING:
-    from .cache import PagedKVCache
 
 # query block of prefill chunks where FlexAttention attends them (Triton's smallest tile); where SDPA
 # attends each chunk on its own (CPU) chunks need no alignment. Decode tokens are one-token rows.
@@ -38,11 +35,11 @@ class StepShape:
     native_decode: bool = False
 
     @classmethod
-    def of(cls, model: PreTrainedModel, cache: "PagedKVCache", device: torch.device,
+    def of(cls, model: PreTrainedModel, device: torch.device, pool_dtype: torch.dtype, kv_heads: int, head_dim: int,
            verify_rows: int = 0) -> "StepShape":
-        """The shapes of ``model``'s steps on ``device`` over ``cache``'s pools."""
-        native = native_decode_for(device, model.dtype, cache.layers[0].keys.dtype, model.config.num_attention_heads,
-                                   cache.num_kv_heads, cache.head_dim)
+        """The shapes of ``model``'s steps on ``device`` over pools of ``pool_dtype`` holding ``kv_heads``
+        heads of ``head_dim`` (a ``PagedKVCache``'s)."""
+        native = native_decode_for(device, model.dtype, pool_dtype, model.config.num_attention_heads, kv_heads, head_dim)
         cap = getattr(model.config, "attn_logit_softcapping", None)
         return cls(sdpa_over_pages(device, cap, 1), verify_rows, native)
 

@@ -74,7 +74,8 @@ class ModelRunner:
         self.max_batch_size, self.max_tokens_per_step = max_batch_size, max_tokens_per_step
         self.device = model.device  # fixed once the pools are allocated (the property is slow)
         # the decode and chunk regions' buckets
-        self.shape = StepShape.of(model, cache, self.device, 1 + speculative_tokens if speculative_tokens else 0)
+        self.shape = StepShape.of(model, self.device, cache.layers[0].keys.dtype, cache.num_kv_heads, cache.head_dim,
+                                  1 + speculative_tokens if speculative_tokens else 0)
         self.sampler = Sampler()  # keeps its scratch rows from step to step
         # decode-only steps as static steps, one compiled graph per decode bucket (``StaticSteps``): every
         # bucket, none, or (None) the device policy's choice; not under tensor parallelism or device maps.
