@@ -8,7 +8,11 @@
  * take vector code for the conversions and products (AVX-512 cores: 16 values a vector for the
  * conversions, the scores' products and the output's sums), other cores the same loops in plain C.
  * Float32 values are read in place; a bfloat16 query over bfloat16 pages, on AVX512-BF16 cores,
- * takes bfloat16 dot products for its scores and (two keys an instruction) for its output.
+ * takes bfloat16 dot products for its scores and (two keys an instruction) for its output. Int8
+ * pages, on AVX512-VNNI cores, take integer products: the query as two int8 steps against 16 keys
+ * a vector for the scores, each block's probabilities in 16-bit steps against two keys an
+ * instruction for the output (each within about 2^-15 of float arithmetic, where int8 itself
+ * rounds by 2^-8).
  */
 #include <float.h>
 #include <math.h>
@@ -22,6 +26,9 @@
 #define WIDE 1  /* 16-value vectors where the head dimension is a multiple of 16 */
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define BF16_DOTS 1  /* bfloat16 keys' products 32 values an instruction (vdpbf16ps) */
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define INT8_DOTS 1  /* int8 keys' products 64 bytes an instruction (vpdpbusd), 16 keys a vector */
 #endif
 #endif
 #endif
@@ -81,6 +88,7 @@ static inline float scale_of(const uint8_t *row, int64_t dim, int format) {
 struct heads {
     const float *q;
     const uint16_t *bf16;
+    const struct split *split;
 };
 
 #ifdef VECTORS
@@ -297,12 +305,118 @@ static inline void value_rows(const uint8_t *pool, const int64_t *slots, int64_t
     for (int64_t j = 0; j < n; j++) rows[j] = converted + j * dim;
 }
 
+#ifdef INT8_DOTS
+/* A KV head's query heads, each as two int8 vectors ``q = s (hi + lo / 256)`` (``s``: the head's
+ * largest magnitude / 127; ``lo`` the rounding left by ``hi``, within s / 512), so that int8 keys take
+ * integer products (``vpdpbusd``: unsigned by signed bytes; keys offset by 128, then ``fix``
+ * takes the offset's products off) with about 2^-15 of the head's scale in error. */
+struct split {
+    int32_t words[MAX_GROUP][2][MAX_DIM / 4];  /* hi and lo, four bytes a word */
+    int32_t fix[MAX_GROUP][2];                 /* 128 * the sum of hi, of lo */
+    float scale[MAX_GROUP];                    /* s / 256 */
+};
+
+static void split_query(const float *q, int64_t heads, int64_t dim, struct split *split) {
+    for (int64_t g = 0; g < heads; g++) {
+        float most = 0.0f;
+        for (int64_t i = 0; i < dim; i++) most = fabsf(q[g * dim + i]) > most ? fabsf(q[g * dim + i]) : most;
+        const float s = most / 127.0f, inverse = most > 0.0f ? 127.0f / most : 0.0f;
+        int8_t *hi = (int8_t *)split->words[g][0], *lo = (int8_t *)split->words[g][1];
+        int32_t sums[2] = {0, 0};
+        for (int64_t i = 0; i < dim; i++) {
+            const float x = q[g * dim + i] * inverse, high = rintf(x);
+            const float low = rintf((x - high) * 256.0f);
+            hi[i] = (int8_t)high;
+            lo[i] = (int8_t)(low > 127.0f ? 127.0f : low < -127.0f ? -127.0f : low);
+            sums[0] += hi[i];
+            sums[1] += lo[i];
+        }
+        split->fix[g][0] = 128 * sums[0];
+        split->fix[g][1] = 128 * sums[1];
+        split->scale[g] = s / 256.0f;
+    }
+}
+
+/* Sixteen vectors of sixteen 32-bit words transposed: word i of vector j to word j of vector i. */
+static inline void transpose16(__m512i *r) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+/* ``block_scores`` for int8 keys, 16 keys a vector: each 64 bytes of 16 key rows, offset to
+ * unsigned bytes and transposed so that a lane holds one key's four bytes, are multiplied by
+ * every head's four query bytes at once, with no sums across lanes. */
+static inline void int8_scores(const struct split *split, const uint8_t *pool, const uint8_t *values,
+                               const int64_t *slots, int64_t n, int64_t dim, int64_t group,
+                               float (*scores)[BLOCK], float *scales) {
+    const int64_t bytes = row_bytes(dim, INT8);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        const uint8_t *rows[16];
+        for (int64_t j = 0; j < 16; j++) {
+            const int64_t slot = slots[j0 + j < n ? j0 + j : j0];  /* keys past n: scores ignored */
+            rows[j] = pool + slot * bytes;
+            prefetch_row(rows[j] + PREFETCH * bytes, bytes);  /* the run's later keys */
+            prefetch_row(values + (slot + PREFETCH) * bytes, bytes);
+            scales[j0 + j] = bf16_at(rows[j] + dim);
+        }
+        __m512i words[MAX_DIM / 4];
+        for (int64_t c = 0; c < dim; c += 64) {
+            __m512i *chunk = words + c / 4;
+            for (int64_t j = 0; j < 16; j++) chunk[j] = _mm512_xor_si512(_mm512_loadu_si512(rows[j] + c), flip);
+            transpose16(chunk);
+        }
+        for (int64_t g0 = 0; g0 < group; g0 += 4) {
+            __m512i hi[4], lo[4];
+            for (int64_t g = 0; g < 4; g++) hi[g] = lo[g] = _mm512_setzero_si512();
+            for (int64_t i = 0; i < dim / 4; i++)
+                for (int64_t g = 0; g < 4; g++) {
+                    hi[g] = _mm512_dpbusd_epi32(hi[g], words[i], _mm512_set1_epi32(split->words[g0 + g][0][i]));
+                    lo[g] = _mm512_dpbusd_epi32(lo[g], words[i], _mm512_set1_epi32(split->words[g0 + g][1][i]));
+                }
+            for (int64_t g = 0; g < 4 && g0 + g < group; g++) {
+                const __m512i total = _mm512_add_epi32(
+                    _mm512_slli_epi32(_mm512_sub_epi32(hi[g], _mm512_set1_epi32(split->fix[g0 + g][0])), 8),
+                    _mm512_sub_epi32(lo[g], _mm512_set1_epi32(split->fix[g0 + g][1])));
+                _mm512_storeu_ps(scores[g0 + g] + j0,
+                                 _mm512_mul_ps(_mm512_cvtepi32_ps(total), _mm512_set1_ps(split->scale[g0 + g])));
+            }
+        }
+    }
+}
+#endif
+
 /* scores[g][j] = q[g] . key j for the block's ``n`` keys at ``slots``, and each key's scale;
  * the vector path converts each key into registers and uses it for every query head at once. */
 static inline void block_scores(const struct heads *heads, const uint8_t *pool, const uint8_t *values, const int64_t *slots,
                                 int64_t n, int64_t dim, int64_t group, int format,
                                 float *converted,
                                 float (*scores)[BLOCK], float *scales) {
+#ifdef INT8_DOTS
+    if (heads->split) {
+        int8_scores(heads->split, pool, values, slots, n, dim, group, scores, scales);
+        return;
+    }
+#endif
 #ifdef VECTORS
     if (dim % 8 == 0) {  /* query heads four at a time (``q`` holds a multiple of four) */
         for (int64_t g0 = 0; g0 < group; g0 += 4) {
@@ -377,8 +491,11 @@ static inline void pair_accumulate(float *acc, float (*weights)[BLOCK], const ui
         }
     }
 }
+#endif
 
-/* ``pair_accumulate``'s outputs in order: each 128-bit lane's first four values then its last four. */
+#if defined(BF16_DOTS) || defined(INT8_DOTS)
+/* Paired outputs (``pair_accumulate``'s, ``int8_accumulate``'s) in order: each 128-bit lane's
+ * first four values then its last four. */
 static inline void unpair(float *acc, int64_t count) {
     for (int64_t i0 = 0; i0 < count; i0 += 32) {
         float held[32];
@@ -388,6 +505,57 @@ static inline void unpair(float *acc, int64_t count) {
                 acc[i0 + 8 * lane + p] = held[4 * lane + p];
                 acc[i0 + 8 * lane + 4 + p] = held[16 + 4 * lane + p];
             }
+    }
+}
+#endif
+
+#ifdef INT8_DOTS
+/* acc[g] += sum_j weights[g][j] * values[j] for int8 value rows read in place, two keys an
+ * instruction (``vpdpwssd``): each head's weights in the block as 16-bit integers of its largest
+ * weight / 32767, each lane pairing key j's value with key j + 1's (so outputs are held in
+ * ``unpair``'s order). Integer sums over a block, then one float multiply-add per output. */
+static inline void int8_accumulate(float *acc, float (*weights)[BLOCK], const uint8_t *const *values, int64_t n,
+                                   int64_t dim, int64_t group) {
+    for (int64_t g0 = 0; g0 < group; g0 += 4) {
+        const int64_t heads = group - g0 < 4 ? group - g0 : 4;
+        int32_t pairs[4][BLOCK / 2];  /* each two 16-bit weights, key j's in the low half */
+        float unit[4];
+        const __mmask16 first = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1);
+        const __mmask16 second = n >= 32 ? 0xffff : n > 16 ? (__mmask16)((1u << (n - 16)) - 1) : 0;
+        for (int64_t g = 0; g < heads; g++) {
+            const __m512 a = _mm512_maskz_loadu_ps(first, weights[g0 + g]);
+            const __m512 b = _mm512_maskz_loadu_ps(second, weights[g0 + g] + 16);
+            const float most = _mm512_reduce_max_ps(_mm512_max_ps(a, b));
+            const __m512 step = _mm512_set1_ps(most > 0.0f ? 32767.0f / most : 0.0f);
+            unit[g] = most / 32767.0f;
+            _mm256_storeu_si256((__m256i *)pairs[g], _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, step))));
+            _mm256_storeu_si256((__m256i *)(pairs[g] + 8), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(b, step))));
+        }
+        for (int64_t i0 = 0; i0 < dim; i0 += 64) {
+            __m512i out[4][4];
+            for (int64_t g = 0; g < 4; g++)
+                for (int64_t c = 0; c < 4; c++) out[g][c] = _mm512_setzero_si512();
+            for (int64_t j = 0; j < n; j += 2) {
+                const uint8_t *a = values[j] + i0, *b = values[j + 1 < n ? j + 1 : j] + i0;  /* past n: weight 0 */
+                __m512i v[4];
+                for (int64_t h = 0; h < 2; h++) {
+                    const __m512i x = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(a + 32 * h)));
+                    const __m512i y = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(b + 32 * h)));
+                    v[2 * h] = _mm512_unpacklo_epi16(x, y);
+                    v[2 * h + 1] = _mm512_unpackhi_epi16(x, y);
+                }
+                for (int64_t g = 0; g < heads; g++) {
+                    const __m512i w = _mm512_set1_epi32(pairs[g][j / 2]);
+                    for (int64_t c = 0; c < 4; c++) out[g][c] = _mm512_dpwssd_epi32(out[g][c], v[c], w);
+                }
+            }
+            for (int64_t g = 0; g < heads; g++)
+                for (int64_t c = 0; c < 4; c++) {
+                    float *o = acc + (g0 + g) * dim + i0 + 16 * c;
+                    _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(out[g][c]), _mm512_set1_ps(unit[g]),
+                                                        _mm512_loadu_ps(o)));
+                }
+        }
     }
 }
 #endif
@@ -518,7 +686,14 @@ static inline void attend_part(const float *q, const uint8_t *keys, const uint8_
     const void *rows[BLOCK];
     int64_t slots[BLOCK];
     int64_t run = 0, before = 0;
-    struct heads heads = {q, NULL};
+    struct heads heads = {q, NULL, NULL};
+#ifdef INT8_DOTS
+    struct split split;
+    if (format == INT8 && dim % 64 == 0) {
+        split_query(q, (group + 3) / 4 * 4, dim, &split);
+        heads.split = &split;
+    }
+#endif
 #ifdef BF16_DOTS
     uint16_t rounded[MAX_GROUP * MAX_DIM];
     if (format == BFLOAT16 && bf16_query && dim % 32 == 0) {  /* bfloat16 holds the query exactly */
@@ -548,10 +723,16 @@ static inline void attend_part(const float *q, const uint8_t *keys, const uint8_
             continue;
         }
 #endif
+#ifdef INT8_DOTS
+        if (heads.split) {
+            int8_accumulate(acc, scores, (const uint8_t *const *)rows, n, dim, group);
+            continue;
+        }
+#endif
         block_accumulate(acc, scores, rows, n, dim, group, format);
     }
-#ifdef BF16_DOTS
-    if (heads.bf16) unpair(acc, group * dim);
+#if defined(BF16_DOTS) || defined(INT8_DOTS)
+    if (heads.bf16 || heads.split) unpair(acc, group * dim);
 #endif
 }
 
