@@ -42,9 +42,18 @@ def int8_products(values: torch.Tensor) -> dict:
     return {"atol": 2 ** -12 * values.abs().max().item(), "rtol": 2 ** -12}
 
 
+def kernel_tolerance(values: torch.Tensor, query_dtype: torch.dtype, pool_dtype: torch.dtype) -> dict:
+    """``assert_close``'s tolerance for the kernel's output against float64 arithmetic: a bfloat16
+    query's output is rounded to bfloat16 (half a step: 2^-9), and over bfloat16 pages its
+    probabilities may be too (each value's weight off by 2^-9); int8 pages' integer products."""
+    if query_dtype != torch.float32:
+        return {"atol": 2 ** -9 * values.abs().max().item(), "rtol": 2 ** -8}
+    return int8_products(values) if pool_dtype == torch.int8 else {}
+
+
 @pytest.mark.parametrize("dtype", POOLS)
 # every count of query heads a KV head's last group of four can hold (1-4) over the vector paths
-# (head dims 64 and 128), and the narrower and odd head dims' paths
+# (head dims 64 and 128; 256, int8 pages' widest integer sums), and the narrower and odd head dims' paths
 @pytest.mark.parametrize("heads, kv_heads, dim", [(8, 2, 64), (4, 4, 128), (4, 2, 128), (6, 2, 64), (6, 2, 24),
                                                   (16, 1, 32), (4, 2, 20), (8, 2, 256)])
 def test_the_decode_kernel_attends_pages_in_place_as_sdpa_over_their_values(monkeypatch, dtype, heads, kv_heads,
@@ -67,12 +76,8 @@ def test_the_decode_kernel_attends_pages_in_place_as_sdpa_over_their_values(monk
                 probs = (cap * torch.tanh(scores / cap)).softmax(-1)
                 want = (probs @ values.repeat_interleave(heads // kv_heads, 1)).float()
             assert got.dtype == query_dtype and got.shape == want.shape
-            # a bfloat16 query's output is rounded to bfloat16 (half a step: 2^-9), and over
-            # bfloat16 pages its probabilities may be too (each value's weight off by 2^-9)
             values = values_of(value_pool[:, :, slots])
-            close = ({"atol": 2 ** -9 * values.abs().max().item(), "rtol": 2 ** -8} if query_dtype != torch.float32
-                     else int8_products(values) if dtype == torch.int8 else {})
-            torch.testing.assert_close(got.float(), want, **close)
+            torch.testing.assert_close(got.float(), want, **kernel_tolerance(values, query_dtype, dtype))
 
 
 def test_without_a_compiler_decode_tokens_fall_back_to_sdpa_over_dequantised_keys(monkeypatch, caplog):
@@ -173,9 +178,8 @@ def test_paged_decode_attends_each_tokens_keys_through_the_page_table_as_sdpa(dt
             scores = query[:, :, t : t + 1].double() @ keys.transpose(-1, -2) * 0.3
             want = ((cap * torch.tanh(scores / cap) if cap else scores).softmax(-1) @ values).float()
             values = values_of(value_pool[:, :, slots])
-            torch.testing.assert_close(got[:, :, t : t + 1].float(), want, **(
-                {"atol": 2 ** -9 * values.abs().max().item(), "rtol": 2 ** -8} if query_dtype != torch.float32
-                else int8_products(values) if dtype == torch.int8 else {}))
+            torch.testing.assert_close(got[:, :, t : t + 1].float(), want,
+                                       **kernel_tolerance(values, query_dtype, dtype))
 
 
 def test_paged_decode_is_a_well_formed_op():
