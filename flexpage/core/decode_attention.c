@@ -377,7 +377,7 @@ static inline void int8_scores(const struct split *split, const uint8_t *pool, c
             rows[j] = pool + slot * bytes;
             prefetch_row(rows[j] + PREFETCH * bytes, bytes);  /* the run's later keys */
             prefetch_row(values + (slot + PREFETCH) * bytes, bytes);
-            scales[j0 + j] = bf16_at(rows[j] + dim);
+            scales[j0 + j] = scale_of(rows[j], dim, INT8);
         }
         __m512i words[MAX_DIM / 4];
         for (int64_t c = 0; c < dim; c += 64) {
