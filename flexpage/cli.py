@@ -13,6 +13,7 @@
     flexpage bench speculative   speculative decoding: verify cost, speed-up at known acceptance, assisted generate()
     flexpage bench roofline      decode time beside the time to read its weights and K/V once, fp32 and bf16
     flexpage bench long          decode to 64k tokens over model-dtype, int8 and fp8 pages; their faithfulness
+    flexpage bench dtypes        batch-1 decode and prefill, float32 vs bfloat16, stock vs flexpage, on this CPU
 
 ``flexpage <command> --help`` lists a command's options. ``--model`` takes a zoo name or a local
 ``save_pretrained`` directory; ``--quick`` runs a few seconds of work on the tiny model and writes
@@ -27,7 +28,7 @@ import sys
 COMMANDS = {"generate": "flexpage.bench.generate", "serve": "flexpage.serve.cli"}
 BENCHMARKS = {name: f"flexpage.bench.{name}" for name in ("latency", "throughput", "prefix", "attention", "startup",
                                                                   "steps", "serve", "tp", "speculative",
-                                                                  "roofline", "long")}
+                                                                  "roofline", "long", "dtypes")}
 HELP = ("-h", "--help")
 
 

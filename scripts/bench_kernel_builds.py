@@ -40,7 +40,7 @@ def build(source: str, directory: Path, name: str) -> tuple[ctypes.CDLL, bool, b
     a float8 value table after the format (sources before commit 883fe0c did)."""
     path, built = directory / f"{name}.c", directory / f"{name}.so"
     path.write_text(source)
-    subprocess.run([kernels.compiler() or "cc", *kernels.FLAGS, "-o", str(built), str(path), "-lm"], check=True)
+    subprocess.run([kernels.compiler() or "cc", *kernels.flags(), "-o", str(built), str(path), "-lm"], check=True)
     lib = ctypes.CDLL(str(built))
     entry = lib.flexpage_decode_attention
     argtypes, entry.restype = kernels.ENTRY_POINTS["decode_attention"]["flexpage_decode_attention"]

@@ -45,7 +45,7 @@ def base_build(revision: str, directory: Path) -> ctypes.CDLL:
     source, built = directory / "base.c", directory / "base.so"
     source.write_text(subprocess.run(["git", "show", f"{revision}:{SOURCE}"], cwd=ROOT, check=True,
                                      capture_output=True, text=True).stdout)
-    subprocess.run([kernels.compiler() or "cc", *kernels.FLAGS, "-o", str(built), str(source), "-lm"], check=True)
+    subprocess.run([kernels.compiler() or "cc", *kernels.flags(), "-o", str(built), str(source), "-lm"], check=True)
     lib = ctypes.CDLL(str(built))
     for entry, (argtypes, restype) in kernels.ENTRY_POINTS["row_linear"].items():
         getattr(lib, entry).argtypes, getattr(lib, entry).restype = argtypes, restype

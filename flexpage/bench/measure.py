@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LogitsProcessor
 
-from ..core.linear import cpu_model
+from ..core import cpu
 from ..engine import Engine
 from ..engine.requests import SamplingParams
 
@@ -179,7 +179,8 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "platform": platform.platform(),
-        "processor": cpu_model(),
+        "processor": cpu.cpu_info().get("model name") or platform.processor() or platform.machine(),
+        "cpu_tier": cpu.tier(),  # the instruction sets flexpage's kernels were chosen for (``flexpage.core.cpu``)
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
@@ -189,7 +190,8 @@ def machine_info() -> dict:
 def caption(meta: dict) -> str:
     """What a figure was measured on, for its title: model, machine, threads, versions."""
     m = meta["machine"]
-    device = m.get("cuda") or f"{m['cpu_count']} CPU cores ({m['processor']}), {m['torch_threads']} threads"
+    tier = f", {m['cpu_tier']}" if m.get("cpu_tier") else ""
+    device = m.get("cuda") or f"{m['cpu_count']} CPU cores ({m['processor']}{tier}), {m['torch_threads']} threads"
     model = f"{meta['model']}, " if "model" in meta else ""
     return f"{model}{device}, torch {m['torch']}"
 

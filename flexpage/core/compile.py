@@ -38,6 +38,8 @@ from typing import Any, Callable, Generic, TypeVar
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
+from . import cpu
+
 F = TypeVar("F", bound=Callable)
 log = logging.getLogger(__name__)
 
@@ -103,15 +105,16 @@ def _portable(sig: Any) -> str:
 
 @functools.cache
 def _code_version() -> str:
-    """torch's and transformers' versions and a hash of flexpage's sources: a saved graph from
-    other code is not used (a compiled model forward holds transformers' modelling code)."""
+    """torch's and transformers' versions, a hash of flexpage's sources and the CPU acted on
+    (``cpu.signature``: a graph's kernels are compiled for its instruction sets): a saved graph from
+    other code or another tier is not used (a compiled model forward holds transformers' modelling code)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         transformers = version("transformers")
     except PackageNotFoundError:
         transformers = "-"
-    digest = hashlib.sha256(f"{torch.__version__}|{transformers}".encode())
+    digest = hashlib.sha256(f"{torch.__version__}|{transformers}|{cpu.signature()}".encode())
     for path in sorted(Path(__file__).parents[1].rglob("*.py")):  # the whole flexpage package, not only core/
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]

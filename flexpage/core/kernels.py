@@ -29,7 +29,6 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
@@ -41,6 +40,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from . import cpu
 from .compile import artifact_dir
 from .host import cdiv
 from .quant import value_dim
@@ -62,13 +62,19 @@ ENTRY_POINTS: dict[str, dict[str, Signature]] = {
 FORMATS = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float32: 2, torch.bfloat16: 3}
 # -ffast-math's value-changing parts only: a shared library linked with -ffast-math itself sets the
 # CPU's flush-to-zero and denormals-are-zero modes when it is loaded, for the whole process
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
+FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
          "-freciprocal-math", "-fopenmp", "-shared", "-fPIC")
+
+
+def flags() -> tuple[str, ...]:
+    """``FLAGS`` with the instruction set built for: the tier flexpage acts on (``cpu.march``)."""
+    return (*FLAGS, f"-march={cpu.march()}")
+
 PART_KEYS = 256  # fewest keys a thread's part takes: a part's merge costs a few vectors
 
 _lock = threading.Lock()
-# per (library, compiler): the loaded library, or None where it failed
-_libraries: dict[tuple[str, str | None], ctypes.CDLL | None] = {}
+# per (library, compiler, -march): the loaded library, or None where it failed
+_libraries: dict[tuple[str, str | None, str], ctypes.CDLL | None] = {}
 
 
 def compiler() -> str | None:
@@ -81,26 +87,14 @@ def _path_compiler() -> str | None:  # searched once: a decode step asks for eve
     return shutil.which("cc") or shutil.which("gcc")
 
 
-def _cpu_flags() -> str:
-    """This machine's instruction-set flags: a library built with ``-march=native`` runs only where
-    they are the same (a cache directory may be shared between machines)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.machine()
-
-
 def _build(name: str, cc: str) -> Path:
     """Library ``name``'s shared object, compiled unless this source, compiler and CPU built it before."""
     source = Path(__file__).with_name(f"{name}.c")
 
     def build(scratch: Path, built: Path) -> None:
-        run_commands([cc, *FLAGS, "-o", str(built), str(source), "-lm"])
+        run_commands([cc, *flags(), "-o", str(built), str(source), "-lm"])
 
-    return _built(name, [source.read_bytes(), cc.encode(), " ".join(FLAGS).encode()], build)
+    return _built(name, [source.read_bytes(), cc.encode(), " ".join(flags()).encode()], build)
 
 
 @functools.cache  # asked each time rankings are saved
@@ -114,7 +108,8 @@ def source_digest(*names: str) -> str:
 def _built(name: str, inputs: list[bytes], build: Callable[[Path, Path], None]) -> Path:
     """The cached shared object ``name`` of ``inputs`` (sources, compilers, flags) for this CPU:
     ``build(scratch folder, path)`` makes it the first time, aside, then it is moved in whole."""
-    digest = hashlib.sha256(b"\0".join([*inputs, _cpu_flags().encode()]))
+    # a library built with ``-march=native`` runs only where the flags are the same (a cache folder may be shared)
+    digest = hashlib.sha256(b"\0".join([*inputs, " ".join(sorted(cpu.cpu_flags())).encode()]))
     path = artifact_dir() / "kernels" / f"{name}-{digest.hexdigest()[:16]}.so"
     if path.exists():
         return path
@@ -157,7 +152,7 @@ def run_commands(*commands: list[str], timeout: float = 300) -> None:
 def library(name: str = "decode_attention") -> ctypes.CDLL | None:
     """Kernel library ``name`` (a key of ``ENTRY_POINTS``), built on first use by ``compiler()``;
     None where it cannot be (no C compiler, a failed build: logged once per library and compiler)."""
-    key = name, compiler()
+    key = name, compiler(), cpu.march()
     if key not in _libraries:
         with _lock:
             if key not in _libraries:
@@ -165,7 +160,7 @@ def library(name: str = "decode_attention") -> ctypes.CDLL | None:
     return _libraries[key]
 
 
-def _load(name: str, cc: str | None) -> ctypes.CDLL | None:
+def _load(name: str, cc: str | None, march: str) -> ctypes.CDLL | None:
     try:
         if cc is None:
             raise FileNotFoundError("no C compiler on the path (set $CC)")
@@ -267,7 +262,7 @@ def _load_native_ops() -> bool:
     def build(scratch: Path, built: Path) -> None:
         # the sources compile side by side, then link
         objects = [str(scratch / f"{source.stem}.o") for source in (*c_sources, cxx_source)]
-        run_commands(*([cc, *FLAGS, "-c", "-o", obj, str(source)] for source, obj in zip(c_sources, objects)),
+        run_commands(*([cc, *flags(), "-c", "-o", obj, str(source)] for source, obj in zip(c_sources, objects)),
                      [cxx, *cxx_flags, "-c", "-o", objects[-1], str(cxx_source)])
         run_commands([cxx, "-o", str(built), *objects, *link_flags])
 
@@ -275,7 +270,7 @@ def _load_native_ops() -> bool:
         if cc is None or cxx is None:
             raise FileNotFoundError("no C and C++ compilers on the path (set $CC and $CXX)")
         inputs = [*(source.read_bytes() for source in (*c_sources, cxx_source)), cc.encode(), cxx.encode(),
-                  " ".join(FLAGS).encode(), " ".join(cxx_flags + link_flags).encode(), torch.__version__.encode()]
+                  " ".join(flags()).encode(), " ".join(cxx_flags + link_flags).encode(), torch.__version__.encode()]
         torch.ops.load_library(str(_built("ops", inputs, build)))
     except (OSError, subprocess.SubprocessError, RuntimeError) as error:
         detail = getattr(error, "stderr", None) or error

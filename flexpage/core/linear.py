@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
-import platform
+import statistics
 import tempfile
+import threading
 import time
 import types
 from pathlib import Path
@@ -38,12 +40,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
+from . import cpu, kernels
 from .compile import artifact_dir
+
+log = logging.getLogger(__name__)
 
 MAX_ROWS = 1 << 16  # a batched prefill's rows (b8 x 1024 tokens: oneDNN 25% faster than F.linear); above, F.linear untimed
 PACK_MEMORY_SHARE = 0.25  # packed copies are taken by default when they need at most this share of free memory
 TRIALS = 4  # calls timed with each kernel, alternated, before a (weight shape, row bucket) is decided
+MARGIN = 0.05  # a kernel displaces F.linear only where its median call is this much faster (noise is not a win)
+WIDEN_TILE_BYTES = 1 << 23  # ``widened_linear``'s float32 tile of a weight: widened in cache, read from it
 ROW_KERNEL_ROWS = 16  # the few-row kernel is timed up to this row bucket (the library GEMMs win from 8-32 rows)
 
 # (out_features, in_features, has bias, row bucket, threads, dtype name, packed)
@@ -94,12 +100,37 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return row_linear_kernel()(x, weight, bias)
 
 
+_scratch = threading.local()  # each thread's float32 scratch for ``widened_linear``'s weight tiles
+
+
+@torch.library.custom_op("flexpage::widened_linear", mutates_args=())
+def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` of bfloat16 tensors by float32 GEMMs: the weight widened a tile at a time into a
+    reused float32 scratch, the rows once, the output rounded to bfloat16 once. Where the CPU has
+    no bfloat16 instructions its bfloat16 GEMMs run several times slower than float32 ones; this
+    costs float32's time plus a widening copy that stays in cache. One opaque op in a traced forward."""
+    rows, width = x.numel() // x.shape[-1], x.shape[-1]
+    flat = x.reshape(rows, width).float()
+    out = torch.empty(weight.shape[0], rows)  # transposed: each tile's rows are contiguous
+    tile = max(1, WIDEN_TILE_BYTES // (4 * width))
+    scratch = getattr(_scratch, "tensor", None)
+    if scratch is None or scratch.numel() < min(tile, weight.shape[0]) * width:
+        scratch = _scratch.tensor = torch.empty(min(tile, weight.shape[0]) * width)
+    for first in range(0, weight.shape[0], tile):
+        part = weight[first:first + tile]
+        torch.mm(scratch[:part.numel()].view(part.shape).copy_(part), flat.t(), out=out[first:first + part.shape[0]])
+    if bias is not None:
+        out += bias[:, None]
+    return out.t().to(x.dtype, memory_format=torch.contiguous_format).view(*x.shape[:-1], weight.shape[0])
+
+
 KERNELS: dict[str, Kernel] = {"plain": plain_linear, "transposed": transposed_linear}
 if torch.backends.mkldnn.is_available():
     KERNELS["onednn"] = onednn_linear
     KERNELS["onednn_packed"] = onednn_linear  # given the layer's packed copy (``pack_weight``) as its weight
 KERNELS["rows"] = row_linear  # for the dtypes ``kernels.row_linear_available`` names
-TRACEABLE = ("plain", "transposed", "onednn_packed", "rows")  # the kernels a compiled forward can take
+KERNELS["widened"] = widened_linear  # bfloat16 on CPUs without bfloat16 instructions
+TRACEABLE = ("plain", "transposed", "onednn_packed", "rows", "widened")  # the kernels a compiled forward can take
 # packed copies a compiled forward reads through ``flexpage::packed_linear``, by their weight's address
 _PACKED: dict[int, tuple["FewRowLinears", nn.Linear]] = {}
 
@@ -118,7 +149,8 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 @packed_linear.register_fake
-def _packed_linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+@widened_linear.register_fake
+def _linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
@@ -134,10 +166,16 @@ def available_memory() -> int:
 
 
 def candidates(packed: bool, dtype: torch.dtype = torch.float32, bucket: int = 1) -> tuple[str, ...]:
-    """The kernels timed for a layer of ``dtype`` at a row bucket: with a packed copy, oneDNN runs
-    on it instead of the weight; flexpage's few-row kernel where it is built for ``dtype``, up to
-    ``ROW_KERNEL_ROWS`` rows."""
+    """The kernels timed for a layer of ``dtype`` at a row bucket, by what this CPU and torch build
+    run (``cpu``): ``F.linear`` always; with a packed copy, oneDNN runs on it instead of the weight;
+    oneDNN's bfloat16 only where its build has it for this tier; bfloat16 widened to float32 GEMMs
+    where the tier has no bfloat16 instructions; flexpage's few-row kernel where it is built for
+    ``dtype``, up to ``ROW_KERNEL_ROWS`` rows."""
     skip = {"onednn" if packed else "onednn_packed"}
+    if dtype == torch.bfloat16 and not cpu.onednn_bf16():
+        skip.add("onednn")
+    if dtype != torch.bfloat16 or cpu.native_bf16():
+        skip.add("widened")
     if (bucket > ROW_KERNEL_ROWS or dtype not in kernels.ROW_LINEARS
             or not _row_kernels() & kernels.ROW_LINEARS[dtype][1]):
         skip.add("rows")
@@ -216,29 +254,38 @@ def _run(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 def _timed(key: Key, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None) -> torch.Tensor:
     """The product by the kernel ``key`` has timed fewest calls of, timed; once every kernel has
-    ``TRIALS`` calls ``key`` is decided, kernels ranked by their fastest call."""
+    ``TRIALS`` calls ``key`` is decided (``rank``). A kernel that fails is dropped from the trial
+    with one logged line and the call goes to another (``F.linear``'s failures are the caller's)."""
     times = trials.setdefault(key, {name: [] for name in candidates(packed is not None, weight.dtype, key[3])})
     name = min(times, key=lambda name: len(times[name]))
     start = time.perf_counter()
-    out = _run(name, x, weight, bias, packed)
+    try:
+        out = _run(name, x, weight, bias, packed)
+    except RuntimeError as error:
+        if name == "plain":
+            raise
+        log.warning("flexpage: linear kernel %s failed for %s (%s); not offered for it", name, key,
+                    str(error).splitlines()[0] if str(error) else type(error).__name__)
+        del times[name]
+        return _timed(key, x, weight, bias, packed)
     times[name].append(time.perf_counter() - start)
     if all(len(seconds) == TRIALS for seconds in times.values()):
-        ranking[key] = tuple(sorted(times, key=lambda name: min(times[name])))
+        ranking[key] = rank(times)
         del trials[key]
         save_rankings()
     return out
 
 
-@functools.cache
-def cpu_model() -> str:
-    """The CPU's model name (Linux; elsewhere what ``platform`` knows), which decides which GEMM
-    kernels win on it."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            name = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), None)
-    except OSError:
-        name = None
-    return name or platform.processor() or platform.machine()
+def rank(times: dict[str, list[float]]) -> tuple[str, ...]:
+    """Kernel names, fastest first, by their median timed call; ``F.linear`` ("plain", the stock
+    model's product) stays first unless another's median is ``MARGIN`` below its own, so a ranking
+    made on noise never runs slower than the model it wraps."""
+    medians = {name: statistics.median(seconds) for name, seconds in times.items()}
+    order = sorted(medians, key=medians.get)
+    if "plain" in medians and medians[order[0]] > (1 - MARGIN) * medians["plain"]:
+        order.remove("plain")
+        order.insert(0, "plain")
+    return tuple(order)
 
 
 def rankings_file() -> Path:
@@ -247,9 +294,10 @@ def rankings_file() -> Path:
 
 
 def _machine() -> str:
-    """What rankings are kept under: the CPU, torch, the kernels timed and the few-row kernel's
-    sources (rankings measured with an earlier version of it are not taken)."""
-    return (f"{cpu_model()} | torch {torch.__version__} | {', '.join(KERNELS)} | "
+    """What rankings are kept under: what decides them on this CPU (``cpu.signature``: its tier,
+    instruction sets and caches), torch, the kernels timed and the few-row kernel's sources
+    (rankings measured with an earlier version of it are not taken)."""
+    return (f"{cpu.signature()} | torch {torch.__version__} | {', '.join(KERNELS)} | "
             f"rows {kernels.source_digest('row_linear.c', 'ops.cpp')}")
 
 
@@ -263,7 +311,7 @@ def load_rankings() -> None:
         for key, names in saved.items():
             *sizes, dtype, packed = key.split(",")
             out, inp, bias, bucket, threads = (int(part) for part in sizes)
-            if sorted(names) == sorted(candidates(bool(int(packed)), DTYPES[dtype], bucket)):
+            if "plain" in names and set(names) <= set(candidates(bool(int(packed)), DTYPES[dtype], bucket)):
                 found[out, inp, bool(bias), bucket, threads, dtype, bool(int(packed))] = tuple(names)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none saved, or not ours to read
         return
