@@ -286,15 +286,13 @@ def test_a_compiled_forward_of_packed_layers_takes_the_kernel_measured_for_them(
     linears.remove()
 
 
-needs_bf16_kernel = pytest.mark.skipif(not kernels.row_linear_available(torch.bfloat16),
-                                       reason="flexpage's bfloat16 kernel is built for AVX512-BF16 cores only")
 SHAPES = [((1, 512), 512, False), ((2, 64), 96, True), ((3, 100), 37, True), ((1, 5, 1536), 24, False),
           ((1, 47), 5, True), ((9, 64), 16, True)]  # tails of inputs (100, 47) and of outputs (37, 5)
 
 
-@needs_bf16_kernel
 @pytest.mark.parametrize("shape, out_features, bias", SHAPES)
 def test_the_bfloat16_kernel_is_the_exact_product_rounded_once(shape, out_features, bias):
+    assert kernels.row_linear_available(torch.bfloat16)  # CI machines have AVX2 at least: widened if not dot products
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, generator=g).bfloat16()
     weight = torch.randn(out_features, shape[-1], generator=g).bfloat16()
@@ -375,7 +373,6 @@ def test_the_few_row_kernel_is_timed_for_the_dtypes_it_is_built_for_and_few_rows
             assert torch.equal(fast_linear(x, weight, None), F.linear(x, weight))  # the library GEMMs still serve
 
 
-@needs_bf16_kernel
 def test_a_bfloat16_paged_model_through_the_kernel_is_as_close_to_float32_as_stock_bfloat16(fresh_choices,
                                                                                             monkeypatch):
     """Every bfloat16 linear of a wrapped model's paged forwards by the kernel (the only candidate):
@@ -406,3 +403,81 @@ def test_a_bfloat16_paged_model_through_the_kernel_is_as_close_to_float32_as_sto
     assert (paged - want).abs().max() <= 1.5 * (plain - want).abs().max()
     agreement = (paged.argmax(-1) == tokens[0, prompt.shape[1]:]).float().mean()
     assert agreement >= (plain.argmax(-1) == tokens[0, prompt.shape[1]:]).float().mean() - 0.05
+
+
+@pytest.mark.parametrize("onednn_bf16, native_bf16", [(False, False), (True, False), (True, True)])
+def test_kernels_are_offered_by_what_the_cpu_tier_runs(monkeypatch, onednn_bf16, native_bf16):
+    """oneDNN's bfloat16 product only where the tier and oneDNN have it (an AVX2-only CPU's oneDNN
+    has none: offering it crashed the Engine); bfloat16 widened to float32 GEMMs only where the
+    tier has no bfloat16 instructions; F.linear always; float32's candidates untouched."""
+    monkeypatch.setattr(linear.cpu, "onednn_bf16", lambda: onednn_bf16)
+    monkeypatch.setattr(linear.cpu, "native_bf16", lambda: native_bf16)
+    for bucket in (1, 64):
+        offered = linear.candidates(False, torch.bfloat16, bucket)
+        assert "plain" in offered
+        assert ("onednn" in offered) == (onednn_bf16 and "onednn" in linear.KERNELS)
+        assert ("widened" in offered) == (not native_bf16)
+        assert "widened" not in linear.candidates(False, torch.float32, bucket)
+        assert "onednn" in linear.candidates(False, torch.float32, bucket) or "onednn" not in linear.KERNELS
+
+
+def test_a_kernel_that_fails_while_timed_is_dropped_with_one_line_and_the_call_answers(fresh_choices, caplog):
+    """A candidate that raises while it is timed (oneDNN without a primitive for the dtype) is
+    logged once and left out of the ranking; the calls keep answering with F.linear's product."""
+    def broken(x, weight, bias):
+        raise RuntimeError("could not create a primitive descriptor\nmore detail")
+
+    linear.KERNELS["transposed"] = broken
+    weight = torch.randn(24, 16)
+    with torch.no_grad(), caplog.at_level("WARNING", logger="flexpage.core.linear"):
+        for _ in range(len(linear.KERNELS) * linear.TRIALS):
+            x = torch.randn(2, 16)
+            torch.testing.assert_close(fast_linear(x, weight, None), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    key = (24, 16, False, 2, torch.get_num_threads(), "float32", False)
+    assert "transposed" not in linear.ranking[key] and "plain" in linear.ranking[key]
+    failures = [r for r in caplog.records if "transposed failed" in r.getMessage()]
+    assert len(failures) == 1 and "more detail" not in failures[0].getMessage()
+    linear.ranking.clear()
+    linear.load_rankings()  # a ranking without the failed kernel is taken by the next process
+    assert "transposed" not in linear.ranking[key]
+
+
+def test_a_ranking_keeps_f_linear_first_unless_another_kernel_is_clearly_faster():
+    """Medians decide, and a kernel displaces the stock product only by more than ``MARGIN``: one
+    lucky call, or a difference within noise, never makes a step slower than the stock model's."""
+    lucky = {"plain": [1.0, 1.0, 1.0, 1.0], "transposed": [0.5, 1.2, 1.3, 1.2], "rows": [0.98, 0.97, 0.99, 0.98]}
+    assert linear.rank(lucky)[0] == "plain"  # transposed's best call and rows' 2% are no win
+    clear = {"plain": [1.0, 1.1, 1.0, 0.9], "rows": [0.6, 0.7, 0.6, 0.65], "transposed": [2.0, 2.0, 2.0, 2.0]}
+    assert linear.rank(clear) == ("rows", "plain", "transposed")
+    assert linear.rank({"rows": [1.0], "widened": [0.5]}) == ("widened", "rows")  # no F.linear to keep
+
+
+def test_rankings_of_another_tier_of_the_same_cpu_are_not_taken(fresh_choices, monkeypatch):
+    """Rankings are keyed by what decides them (``cpu.signature``: tier, instruction sets, caches),
+    not the CPU's marketing name: an AVX2-only EPYC does not take an AVX-512 EPYC's choices."""
+    key = (8, 4, False, 2, torch.get_num_threads(), "float32", False)
+    linear.ranking[key] = ("plain",)
+    linear.save_rankings()
+    linear.ranking.clear()
+    monkeypatch.setattr(linear.cpu, "signature", lambda: "AMD EPYC | avx512_bf16 | flags 0 | L2 1024K")
+    linear.load_rankings()
+    assert linear.ranking == {}
+    assert linear.cpu.tier() in linear.cpu.TIERS
+
+
+@pytest.mark.parametrize("shape, out_features, bias", SHAPES)
+def test_the_widened_bfloat16_product_is_the_exact_product_rounded_once(monkeypatch, shape, out_features, bias):
+    """``widened_linear``: float32 GEMMs over bfloat16 widened a tile at a time (tiles forced small
+    here, so a weight spans several and a last partial one), the output rounded once."""
+    monkeypatch.setattr(linear, "WIDEN_TILE_BYTES", 4 * shape[-1] * 7)  # 7 features a tile
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(*shape, generator=g).bfloat16()
+    weight = torch.randn(out_features, shape[-1], generator=g).bfloat16()
+    b = torch.randn(out_features, generator=g).bfloat16() if bias else None
+    out = linear.widened_linear(x, weight, b)
+    exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    magnitude = F.linear(x.double().abs(), weight.double().abs()) + (0 if b is None else b.double().abs())
+    assert out.shape == exact.shape and out.dtype == torch.bfloat16 and out.is_contiguous()
+    assert ((out.double() - exact).abs() <= exact.abs() * 2**-8 + magnitude * 2**-20).all()
+    traced = torch.compile(lambda x, w, b: linear.widened_linear(x, w, b) * 1, fullgraph=True)(x, weight, b)
+    assert torch.equal(traced, out)  # one opaque op in a compiled forward
