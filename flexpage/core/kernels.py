@@ -13,8 +13,10 @@ None and the caller takes SDPA or FlexAttention (over dequantised keys for quant
 
 ``row_linear.c`` multiplies a few float32 or bfloat16 rows by a weight, reading the weight once
 (``row_linear``; ``linear.fast_linear`` times it against the library GEMMs): float32 with fused
-multiply-adds (AVX2 or AVX-512), bfloat16 with AVX512-BF16 dot products. It is built the same way,
-and offered for the dtypes its build covers on this CPU (``row_linear_available``). ``ops.cpp`` holds
+multiply-adds (AVX2 or AVX-512), bfloat16 with AVX512-BF16 dot products, or on cores without them
+each value widened to float32 in registers. It is built the same way, and offered for the dtypes
+its build covers on this CPU (``row_linear_available``). Every library is built for the tier
+flexpage acts on (``cpu.march``: ``native``, or a lower tier's ``-march`` where one is forced). ``ops.cpp`` holds
 the C++ kernels of two ops over them (``native_ops``, built with the system C++ compiler against
 torch's stable C++ API, whose headers compile in a fraction of ATen's time; torch 2.10 or later,
 else the fallbacks below): ``flexpage::row_linear`` and ``flexpage::paged_decode`` (decode tokens'
@@ -182,7 +184,7 @@ ROW_LINEARS = {torch.float32: ("flexpage_f32_linear", 1), torch.bfloat16: ("flex
 
 def row_linear_available(dtype: torch.dtype) -> bool:
     """Whether ``row_linear`` runs here for ``dtype``: its library built, for a CPU whose
-    instructions its build covers (float32: AVX2 or AVX-512; bfloat16: AVX512-BF16)."""
+    instructions its build covers (AVX2 or AVX-512, for both dtypes)."""
     lib = library("row_linear")
     return dtype in ROW_LINEARS and lib is not None and bool(lib.flexpage_row_linear_formats() & ROW_LINEARS[dtype][1])
 

@@ -3,16 +3,19 @@
 A paged step multiplies every linear layer's weight by a few rows (a decode step: one per
 sequence) or a few hundred (a prefill chunk). On the CPU the same float32 or bfloat16 product runs
 at very different speeds through different kernels, and which one wins depends on the CPU and the
-row count: MKL's ``x @ W.T``, MKL's ``(W @ x.T).T``, oneDNN's matmul on the weight as it is and
-flexpage's own few-row kernel (``kernels.row_linear``: float32 on AVX2/AVX-512 cores, bfloat16 on
-AVX512-BF16 ones; up to twice the library GEMMs' speed for one row where they read a weight
-slowly; the README's "How it works" gives the figures, which go opposite ways on AMD and Intel
-cores). So
-``fast_linear`` times the kernels, alternated, on the first calls that meet a weight shape with a
-given number of rows (rounded up to a power of two), and uses the fastest from then on, in this
-process and, through ``rankings_file()``, in later ones on this CPU with this torch. The timed
-calls are the model's own, so each weight is as cold in cache as a forward leaves it: a weight
-timed in a loop stays hot in cache and ranks the kernels otherwise than a forward does.
+row count: MKL's ``x @ W.T``, MKL's ``(W @ x.T).T``, oneDNN's matmul on the weight as it is,
+flexpage's own few-row kernel (``kernels.row_linear``: float32 on AVX2/AVX-512 cores; bfloat16
+by dot products on AVX512-BF16 cores, widened to float32 in registers elsewhere) and, for bfloat16
+on CPUs without bfloat16 instructions, float32 GEMMs over the weight widened a tile at a time
+(``widened_linear``). Only kernels this CPU's tier and torch build run are offered (``candidates``,
+``cpu``); one that fails anyway is dropped. So ``fast_linear`` times the offered kernels,
+alternated, on the first calls that meet a weight shape with a given number of rows (rounded up
+to a power of two), and uses the fastest by median from then on (``rank``: ``F.linear``, the stock
+model's product, unless another is clearly faster), in this process and, through
+``rankings_file()``, in later ones on a CPU of the same instruction sets and caches with this
+torch. The timed calls are the model's own, so each weight is as cold in cache as a forward
+leaves it: a weight timed in a loop stays hot in cache and ranks the kernels otherwise than a
+forward does.
 Results differ from ``F.linear``'s in the last bits, as paged attention's already do from SDPA's.
 ``FewRowLinears`` routes a model's ``nn.Linear`` layers through it for forwards through a paged
 cache only (a flag set by a hook on the model), so a wrapped model's plain forward (scoring,
@@ -49,7 +52,7 @@ MAX_ROWS = 1 << 16  # a batched prefill's rows (b8 x 1024 tokens: oneDNN 25% fas
 PACK_MEMORY_SHARE = 0.25  # packed copies are taken by default when they need at most this share of free memory
 TRIALS = 4  # calls timed with each kernel, alternated, before a (weight shape, row bucket) is decided
 MARGIN = 0.05  # a kernel displaces F.linear only where its median call is this much faster (noise is not a win)
-WIDEN_TILE_BYTES = 1 << 23  # ``widened_linear``'s float32 tile of a weight: widened in cache, read from it
+WIDEN_TILE_BYTES = 1 << 25  # ``widened_linear``'s float32 tile of a weight: widened in cache, read from it
 ROW_KERNEL_ROWS = 16  # the few-row kernel is timed up to this row bucket (the library GEMMs win from 8-32 rows)
 
 # (out_features, in_features, has bias, row bucket, threads, dtype name, packed)
@@ -100,7 +103,17 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return row_linear_kernel()(x, weight, bias)
 
 
-_scratch = threading.local()  # each thread's float32 scratch for ``widened_linear``'s weight tiles
+_scratch = threading.local()  # each thread's float32 scratches for ``widened_linear``: weight tiles, rows
+
+
+def _scratch_of(name: str, numel: int) -> torch.Tensor:
+    """This thread's float32 scratch ``name`` of at least ``numel`` values (grown, never shrunk):
+    reused memory, where a new tensor each call would fault its pages in anew."""
+    scratch = getattr(_scratch, name, None)
+    if scratch is None or scratch.numel() < numel:
+        scratch = torch.empty(numel)
+        setattr(_scratch, name, scratch)
+    return scratch[:numel]
 
 
 @torch.library.custom_op("flexpage::widened_linear", mutates_args=())
@@ -110,18 +123,19 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     no bfloat16 instructions its bfloat16 GEMMs run several times slower than float32 ones; this
     costs float32's time plus a widening copy that stays in cache. One opaque op in a traced forward."""
     rows, width = x.numel() // x.shape[-1], x.shape[-1]
-    flat = x.reshape(rows, width).float()
-    out = torch.empty(weight.shape[0], rows)  # transposed: each tile's rows are contiguous
-    tile = max(1, WIDEN_TILE_BYTES // (4 * width))
-    scratch = getattr(_scratch, "tensor", None)
-    if scratch is None or scratch.numel() < min(tile, weight.shape[0]) * width:
-        scratch = _scratch.tensor = torch.empty(min(tile, weight.shape[0]) * width)
+    tile = min(max(1, WIDEN_TILE_BYTES // (4 * width)), weight.shape[0])
+    flat = x.reshape(rows, width)
+    flat = (_scratch_of("rows", rows * width).view(rows, width).copy_(flat) if 4 * rows * width <= WIDEN_TILE_BYTES
+            else flat.float())  # a batched prefill's many rows: no scratch kept that large
+    scratch = _scratch_of("weight", tile * width)
+    parts = []
     for first in range(0, weight.shape[0], tile):
         part = weight[first:first + tile]
-        torch.mm(scratch[:part.numel()].view(part.shape).copy_(part), flat.t(), out=out[first:first + part.shape[0]])
-    if bias is not None:
-        out += bias[:, None]
-    return out.t().to(x.dtype, memory_format=torch.contiguous_format).view(*x.shape[:-1], weight.shape[0])
+        wide = scratch[:part.numel()].view(part.shape).copy_(part)
+        wide_bias = None if bias is None else bias[first:first + tile].float()
+        parts.append((onednn_linear if "onednn" in KERNELS else F.linear)(flat, wide, wide_bias).to(x.dtype))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 KERNELS: dict[str, Kernel] = {"plain": plain_linear, "transposed": transposed_linear}
@@ -295,10 +309,10 @@ def rankings_file() -> Path:
 
 def _machine() -> str:
     """What rankings are kept under: what decides them on this CPU (``cpu.signature``: its tier,
-    instruction sets and caches), torch, the kernels timed and the few-row kernel's sources
-    (rankings measured with an earlier version of it are not taken)."""
+    instruction sets and caches), torch, the kernels timed and their sources (the few-row kernel's
+    and this module's: rankings measured with an earlier version are not taken)."""
     return (f"{cpu.signature()} | torch {torch.__version__} | {', '.join(KERNELS)} | "
-            f"rows {kernels.source_digest('row_linear.c', 'ops.cpp')}")
+            f"rows {kernels.source_digest('row_linear.c', 'ops.cpp', 'linear.py')}")
 
 
 def load_rankings() -> None:
