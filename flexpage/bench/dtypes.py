@@ -4,8 +4,9 @@ A model in float32 and in bfloat16 (the same seeded weights), each as stock ``ge
 ``wrap(compile_decode=True)`` and an Engine serving one request, in one process. Per cell: decode
 ms per token at a context of ``--length`` tokens (the median gap between tokens; the Engine's
 median decode step) and the prefill of a ``--prompt``-token prompt (ms to its first token). Cells
-alternate within a round (dtypes and configurations in turn), and each cell's median round is
-reported with its ratios to stock and bfloat16's to float32, taken side by side. The CPU's tier
+alternate within a round (a configuration's two dtypes side by side, their order flipped every
+round), and each cell's median round is reported with its ratios to stock and bfloat16's to
+float32: the median of the ratios within each round. The CPU's tier
 (``flexpage.core.cpu``: the instruction sets its kernels were chosen for) is in the run's meta.
 
     flexpage bench dtypes                                     # llama-small, L 512, prompt 512, 5 rounds
@@ -131,14 +132,14 @@ def main(argv: list[str] | None = None) -> None:
             summary.append({"dtype": name, "config": config,
                             "decode_ms": round(statistics.median(r["decode_ms"] for r in runs), 2),
                             "prefill_ms": round(statistics.median(r["prefill_ms"] for r in runs), 1)})
-    for row in summary:
-        stock = next((r for r in summary if r["config"] == "stock" and r["dtype"] == row["dtype"]), None)
-        fp32 = next((r for r in summary if r["config"] == row["config"] and r["dtype"] == "float32"), None)
+    for row in summary:  # ratios of cells measured in the same round (a burst of the machine hits both), median
         for field in ("decode_ms", "prefill_ms"):
-            if stock is not None:
-                row[f"{field}_x_stock"] = round(row[field] / stock[field], 3)
-            if fp32 is not None:
-                row[f"{field}_x_float32"] = round(row[field] / fp32[field], 3)
+            for suffix, other in (("x_stock", ("stock", row["dtype"])), ("x_float32", (row["config"], "float32"))):
+                pairs = [(ours[field], theirs[field]) for ours in records for theirs in records
+                         if (ours["config"], ours["dtype"]) == (row["config"], row["dtype"])
+                         and (theirs["config"], theirs["dtype"]) == other and theirs["round"] == ours["round"]]
+                if pairs:
+                    row[f"{field}_{suffix}"] = round(statistics.median(a / b for a, b in pairs), 3)
         print(f"{row['dtype']:>8} {row['config']:<14} decode {row['decode_ms']:8.2f} ms/token "
               f"(x{row.get('decode_ms_x_stock', float('nan')):.2f} stock, "
               f"x{row.get('decode_ms_x_float32', float('nan')):.2f} float32)  prefill {row['prefill_ms']:8.1f} ms "
