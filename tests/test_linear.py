@@ -291,13 +291,22 @@ SHAPES = [((1, 512), 512, False), ((2, 64), 96, True), ((3, 100), 37, True), ((1
 
 
 @pytest.mark.parametrize("shape, out_features, bias", SHAPES)
-def test_the_bfloat16_kernel_is_the_exact_product_rounded_once(shape, out_features, bias):
-    assert kernels.row_linear_available(torch.bfloat16)  # CI machines have AVX2 at least: widened if not dot products
+@pytest.mark.parametrize("kernel", ["rows", "widened"])
+def test_the_bfloat16_kernels_are_the_exact_product_rounded_once(monkeypatch, shape, out_features, bias, kernel):
+    """The few-row kernel (dot products, or values widened in registers where the CPU has none) and
+    ``widened_linear`` (float32 GEMMs over tiles widened in a scratch: forced small here, so a
+    weight spans several and a last partial one, and one opaque op in a compiled forward)."""
+    assert kernels.row_linear_available(torch.bfloat16)  # CI machines have AVX2 at least
+    monkeypatch.setattr(linear, "WIDEN_TILE_BYTES", 4 * shape[-1] * 7)  # 7 features a tile
+    product = linear.row_linear if kernel == "rows" else linear.widened_linear
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, generator=g).bfloat16()
     weight = torch.randn(out_features, shape[-1], generator=g).bfloat16()
     b = torch.randn(out_features, generator=g).bfloat16() if bias else None
-    out = linear.row_linear(x, weight, b)
+    out = product(x, weight, b)
+    if kernel == "widened":
+        traced = torch.compile(lambda x, w, b: linear.widened_linear(x, w, b) * 1, fullgraph=True)(x, weight, b)
+        assert torch.equal(traced, out)
     exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
     magnitude = F.linear(x.double().abs(), weight.double().abs()) + (0 if b is None else b.double().abs())
     assert out.shape == exact.shape and out.dtype == torch.bfloat16
@@ -305,7 +314,8 @@ def test_the_bfloat16_kernel_is_the_exact_product_rounded_once(shape, out_featur
     assert ((out.double() - exact).abs() <= exact.abs() * 2**-8 + magnitude * 2**-20).all()
     assert (out == F.linear(x, weight, b)).float().mean() >= 0.98  # oneDNN's float32 sums, rounded the same way
     columns = torch.randn(shape[-1], 7, generator=g).bfloat16().t()  # rows not contiguous
-    assert torch.equal(linear.row_linear(columns, weight, b), linear.row_linear(columns.contiguous(), weight, b))
+    assert torch.equal(product(columns, weight, b), product(columns.contiguous(), weight, b))
+    assert out.is_contiguous()
 
 
 @pytest.mark.parametrize("shape, out_features, bias", SHAPES)
@@ -463,21 +473,3 @@ def test_rankings_of_another_tier_of_the_same_cpu_are_not_taken(fresh_choices, m
     linear.load_rankings()
     assert linear.ranking == {}
     assert linear.cpu.tier() in linear.cpu.TIERS
-
-
-@pytest.mark.parametrize("shape, out_features, bias", SHAPES)
-def test_the_widened_bfloat16_product_is_the_exact_product_rounded_once(monkeypatch, shape, out_features, bias):
-    """``widened_linear``: float32 GEMMs over bfloat16 widened a tile at a time (tiles forced small
-    here, so a weight spans several and a last partial one), the output rounded once."""
-    monkeypatch.setattr(linear, "WIDEN_TILE_BYTES", 4 * shape[-1] * 7)  # 7 features a tile
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(*shape, generator=g).bfloat16()
-    weight = torch.randn(out_features, shape[-1], generator=g).bfloat16()
-    b = torch.randn(out_features, generator=g).bfloat16() if bias else None
-    out = linear.widened_linear(x, weight, b)
-    exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
-    magnitude = F.linear(x.double().abs(), weight.double().abs()) + (0 if b is None else b.double().abs())
-    assert out.shape == exact.shape and out.dtype == torch.bfloat16 and out.is_contiguous()
-    assert ((out.double() - exact).abs() <= exact.abs() * 2**-8 + magnitude * 2**-20).all()
-    traced = torch.compile(lambda x, w, b: linear.widened_linear(x, w, b) * 1, fullgraph=True)(x, weight, b)
-    assert torch.equal(traced, out)  # one opaque op in a compiled forward

@@ -28,11 +28,10 @@ from transformers import PreTrainedModel
 import flexpage
 from flexpage import zoo
 from flexpage.bench.measure import add_run_arguments, caption, finish_axes, machine_info, save_figure, save_run
-from flexpage.bench.roofline import generate_ms
+from flexpage.bench.roofline import DTYPES, generate_ms
 from flexpage.bench.steps import step_ms
 
 CONFIGS = ("stock", "wrap_compiled", "engine")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def build(model_name: str, dtype: torch.dtype, configs: list[str], tokens: int, step_tokens: int) -> dict:
@@ -107,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     args.model = zoo.chosen_model(args)
     if args.quick:
         args.length, args.prompt, args.new_tokens, args.rounds = 64, 64, 6, 1
-    tokens = max(args.length, args.prompt) + args.new_tokens + 64
+    # (quick: the pool and step of ``tests/tier_worker.py``'s Engine, whose compiled steps it then shares)
+    tokens = 512 if args.quick else max(args.length, args.prompt) + args.new_tokens + 64
     step_tokens = max(args.prompt, 64)
     built = {name: build(args.model, DTYPES[name], args.configs, tokens, step_tokens)
              for name in tqdm(args.dtypes, desc="models", unit="dtype")}
