@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import statistics
 import tempfile
@@ -268,8 +269,8 @@ def _run(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 def _timed(key: Key, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None) -> torch.Tensor:
     """The product by the kernel ``key`` has timed fewest calls of, timed; once every kernel has
-    ``TRIALS`` calls ``key`` is decided (``rank``). A kernel that fails is dropped from the trial
-    with one logged line and the call goes to another (``F.linear``'s failures are the caller's)."""
+    ``TRIALS`` calls ``key`` is decided (``rank``). A kernel that fails is ranked last with one
+    logged line and the call goes to another (``F.linear``'s failures are the caller's)."""
     times = trials.setdefault(key, {name: [] for name in candidates(packed is not None, weight.dtype, key[3])})
     name = min(times, key=lambda name: len(times[name]))
     start = time.perf_counter()
@@ -280,7 +281,7 @@ def _timed(key: Key, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
             raise
         log.warning("flexpage: linear kernel %s failed for %s (%s); not offered for it", name, key,
                     str(error).splitlines()[0] if str(error) else type(error).__name__)
-        del times[name]
+        times[name] = [math.inf] * TRIALS  # ranked last, after F.linear, so never run
         return _timed(key, x, weight, bias, packed)
     times[name].append(time.perf_counter() - start)
     if all(len(seconds) == TRIALS for seconds in times.values()):
@@ -325,7 +326,7 @@ def load_rankings() -> None:
         for key, names in saved.items():
             *sizes, dtype, packed = key.split(",")
             out, inp, bias, bucket, threads = (int(part) for part in sizes)
-            if "plain" in names and set(names) <= set(candidates(bool(int(packed)), DTYPES[dtype], bucket)):
+            if sorted(names) == sorted(candidates(bool(int(packed)), DTYPES[dtype], bucket)):
                 found[out, inp, bool(bias), bucket, threads, dtype, bool(int(packed))] = tuple(names)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none saved, or not ours to read
         return
