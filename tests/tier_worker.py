@@ -32,7 +32,9 @@ def main() -> None:
         report["candidates"][name] = [list(linear.candidates(False, dtype, bucket)) for bucket in (1, 64)]
         report["candidates"][name + "_rows_kernel"] = kernels.row_linear_available(dtype)
         stock = zoo.build("llama-tiny", dtype=dtype)
-        wrapped = flexpage.wrap(zoo.build("llama-tiny", dtype=dtype), compile_decode=True, max_cached_tokens=512)
+        # wrap's pool is the Engine's (16-token pages, 512 slots, 2 rows), so their steps' graphs can be shared
+        wrapped = flexpage.wrap(zoo.build("llama-tiny", dtype=dtype), compile_decode=True, page_size=16,
+                                max_cached_tokens=512, max_batch_size=2)
         engine = flexpage.Engine(zoo.build("llama-tiny", dtype=dtype), page_size=16, max_cached_tokens=512,
                                  max_batch_size=2, max_tokens_per_step=64)
         runs = {"stock": [], "wrap": [], "engine": engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS)}
