@@ -179,7 +179,7 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "platform": platform.platform(),
-        "processor": cpu.cpu_info().get("model name") or platform.processor() or platform.machine(),
+        "processor": cpu.model_name(),
         "cpu_tier": cpu.tier(),  # the instruction sets flexpage's kernels were chosen for (``flexpage.core.cpu``)
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),

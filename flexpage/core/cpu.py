@@ -50,6 +50,11 @@ def cpu_info() -> dict[str, str]:
     return fields
 
 
+def model_name() -> str:
+    """The CPU's model name (Linux; elsewhere what ``platform`` knows)."""
+    return cpu_info().get("model name") or platform.processor() or platform.machine()
+
+
 def cpu_flags() -> set[str]:
     """This CPU's instruction-set flags (x86 ``flags``, Arm ``Features``)."""
     info = cpu_info()
@@ -127,9 +132,8 @@ def signature() -> str:
     """What decides which kernels win on this CPU, for keying measurements: its model name, the
     tier acted on, a digest of its instruction-set flags and its cache sizes (two CPUs that share
     a name but not their instructions are told apart)."""
-    name = cpu_info().get("model name") or platform.processor() or platform.machine()
     flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
-    return f"{name} | {tier()} | flags {flags} | {_cache_sizes()}"
+    return f"{model_name()} | {tier()} | flags {flags} | {_cache_sizes()}"
 
 
 def tier_environment(forced: str) -> dict[str, str]:

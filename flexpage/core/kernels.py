@@ -66,13 +66,13 @@ FORMATS = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float32: 2, torch.bfloat
 # CPU's flush-to-zero and denormals-are-zero modes when it is loaded, for the whole process
 FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
          "-freciprocal-math", "-fopenmp", "-shared", "-fPIC")
+PART_KEYS = 256  # fewest keys a thread's part takes: a part's merge costs a few vectors
 
 
 def flags() -> tuple[str, ...]:
     """``FLAGS`` with the instruction set built for: the tier flexpage acts on (``cpu.march``)."""
     return (*FLAGS, f"-march={cpu.march()}")
 
-PART_KEYS = 256  # fewest keys a thread's part takes: a part's merge costs a few vectors
 
 _lock = threading.Lock()
 # per (library, compiler, -march): the loaded library, or None where it failed

@@ -8,7 +8,7 @@ flexpage's own few-row kernel (``kernels.row_linear``: float32 on AVX2/AVX-512 c
 by dot products on AVX512-BF16 cores, widened to float32 in registers elsewhere) and, for bfloat16
 on CPUs without bfloat16 instructions, float32 GEMMs over the weight widened a tile at a time
 (``widened_linear``). Only kernels this CPU's tier and torch build run are offered (``candidates``,
-``cpu``); one that fails anyway is dropped. So ``fast_linear`` times the offered kernels,
+``cpu``); one that fails anyway is ranked last. So ``fast_linear`` times the offered kernels,
 alternated, on the first calls that meet a weight shape with a given number of rows (rounded up
 to a power of two), and uses the fastest by median from then on (``rank``: ``F.linear``, the stock
 model's product, unless another is clearly faster), in this process and, through
